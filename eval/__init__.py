@@ -1,0 +1,1 @@
+"""Evaluation harness (loss by rank, throughput, goodput; tables and plots): to come."""

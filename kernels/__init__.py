@@ -1,0 +1,1 @@
+"""Triton kernels for multi-adapter prefill work, each beside its torch reference: to come."""

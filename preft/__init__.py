@@ -1,0 +1,28 @@
+"""PreFT: prefill-only finetuning. Adapters touch prompt tokens only; decoding runs the base model.
+
+>>> import preft
+>>> from peft import get_peft_model
+>>> from transformers import AutoModelForCausalLM
+>>> model = get_peft_model(AutoModelForCausalLM.from_pretrained(preft.DEFAULT_BASE_MODEL),
+...                        preft.PreftLoraConfig(r=8))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from preft.context import PrefillContext, PrefillTracker
+from preft.registration import register_with_peft
+from preft.tuners import PREFT_LORA, PREFT_REFT, PreftLoraConfig, PreftLoraModel, PreftReftConfig, PreftReftModel
+
+__version__ = "0.1.0"
+
+#: Path of the embedded default base model (a small Llama built by recipes/pretrain_base.py).
+DEFAULT_BASE_MODEL = str(Path(__file__).parent / "default_base")
+
+register_with_peft()
+
+__all__ = [
+    "DEFAULT_BASE_MODEL", "PREFT_LORA", "PREFT_REFT", "PrefillContext", "PrefillTracker",
+    "PreftLoraConfig", "PreftLoraModel", "PreftReftConfig", "PreftReftModel",
+]

@@ -1,0 +1,85 @@
+"""The ``preft`` command line: train, export, serve, eval, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# Subcommands whose implementation lands with a later issue. They say so and exit non-zero:
+# a command that is not built yet must not look as if it worked.
+PLANNED = {
+    "export": "validate a PEFT adapter against its base model and write a serving bundle",
+    "serve": "OpenAI-compatible vLLM server with prefill-only adapters",
+    "eval": "loss (PreFT vs all-token PEFT by rank) and serving goodput reports",
+    "bench": "side-by-side throughput benchmarks",
+}
+
+RECIPES = {
+    "pretrain_base": "preft.recipes.pretrain_base",
+}
+
+
+def _train(args) -> int:
+    import importlib
+
+    from preft.recipe_config import load_config
+
+    config = load_config(args.config, args.overrides)
+    recipe = config.get("recipe")
+    if recipe not in RECIPES:
+        raise ValueError(
+            f"{args.config}: unknown recipe {recipe!r} in the 'recipe' key (available: {', '.join(sorted(RECIPES))})"
+        )
+    module = importlib.import_module(RECIPES[recipe])
+    module.main(config)
+    return 0
+
+
+def _demo(args) -> int:
+    from preft.demo import main
+
+    main(steps=args.steps, output_dir=args.output_dir)
+    return 0
+
+
+def _planned(name: str):
+    def run(args) -> int:
+        print(f"preft {name}: not implemented yet ({PLANNED[name]}); see the open issues.", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="preft",
+        description="Prefill-only finetuning: adapters on prompt tokens only, trained with TRL, served with vLLM.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    train = sub.add_parser("train", help="run a recipe: preft train recipes/configs/NAME.yaml [key=value ...]")
+    train.add_argument("config", help="YAML recipe config (its 'recipe' key names the recipe)")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nesting")
+    train.set_defaults(run=_train)
+
+    demo = sub.add_parser("demo", help="train a LoRA-P adapter on the default model and show what it does")
+    demo.add_argument("--steps", type=int, default=300, help="training steps per adapter (default 300)")
+    demo.add_argument("--output-dir", default="runs/demo", help="where the adapter is saved")
+    demo.set_defaults(run=_demo)
+
+    for name, what in PLANNED.items():
+        sub.add_parser(name, help=f"{what} (not implemented yet)").set_defaults(run=_planned(name))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"preft {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The prefill context: which tokens of a batch are prompt tokens.
+
+The one rule of PreFT: for a sequence with prompt length ``P`` and adapter start ``s``, the
+adapter is active at absolute token position ``p`` iff ``s <= p < P``. Everything here keys on
+*position* (never on "this forward is a prefill"), so teacher forcing, HF ``generate`` and a
+manual decode loop agree token for token.
+
+Per forward of a PEFT model, :class:`PrefillTracker` (installed by the PreFT tuners as hooks
+on the wrapped transformers model) builds a :class:`PrefillContext`:
+
+- ``positions`` ``[B, T]``: the absolute position of each input token in its own sequence,
+  taken from ``position_ids``, else from the attention mask (left or right padding), else
+  ``cache length + offset``.
+- ``prompt_lengths`` ``[B]``: ``P`` per row, from the first of
+  1. an explicit ``prompt_lengths=`` keyword of the forward (int, list or tensor);
+  2. ``labels``: the position of the first label != -100 (TRL's completion mask);
+  3. the KV cache: a forward that continues a cache this tracker saw being filled reuses that
+     cache's ``P`` (this is how ``generate``'s decode steps see ``p >= P``);
+  4. otherwise every real token of the input is a prompt token (a prefill).
+
+The context reaches the adapter layers through :attr:`PrefillTracker.current` and, for models
+whose forward forwards ``**kwargs`` to the decoder layers (Llama, Qwen2, ...), as the
+``preft_context`` keyword of each decoder-layer call. The second route is what keeps the mask
+right under gradient checkpointing: the checkpoint replays the layer call with the same
+keywords during ``backward()``, so the recomputed layer sees its own forward's context even if
+other forwards ran in between.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+CONTEXT_KWARG = "preft_context"
+
+
+@dataclass
+class PrefillContext:
+    """Per-forward batch facts: token positions and per-row prompt lengths.
+
+    ``prompt_lengths`` is ``None`` when the whole input is prompt (a plain prefill).
+
+    >>> ctx = PrefillContext(positions=torch.tensor([[0, 1, 2, 3]]), prompt_lengths=torch.tensor([3]))
+    >>> ctx.active_mask(adapter_start=1).tolist()
+    [[False, True, True, False]]
+    """
+
+    positions: torch.Tensor
+    prompt_lengths: torch.Tensor | None
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def active_mask(self, adapter_start: int = 0) -> torch.Tensor:
+        """``[B, T]`` bool: True where ``adapter_start <= position < P``."""
+        if adapter_start not in self._masks:
+            mask = self.positions >= adapter_start
+            if self.prompt_lengths is not None:
+                mask = mask & (self.positions < self.prompt_lengths[:, None])
+            self._masks[adapter_start] = mask
+        return self._masks[adapter_start]
+
+
+def _as_lengths(value: Any, batch_size: int, device: torch.device) -> torch.Tensor:
+    lengths = torch.as_tensor(value, dtype=torch.long, device=device).reshape(-1)
+    if lengths.numel() == 1:
+        lengths = lengths.expand(batch_size)
+    if lengths.numel() != batch_size:
+        raise ValueError(
+            f"prompt_lengths has {lengths.numel()} entries but the batch has {batch_size} rows"
+        )
+    if (lengths < 0).any():
+        raise ValueError(f"prompt_lengths must be >= 0, got {lengths.tolist()}")
+    return lengths
+
+
+def _cache_length(past_key_values: Any) -> int:
+    if past_key_values is None:
+        return 0
+    if hasattr(past_key_values, "get_seq_length"):
+        return int(past_key_values.get_seq_length())
+    return int(past_key_values[0][0].shape[-2])  # legacy tuple-of-tuples cache
+
+
+class PrefillTracker:
+    """Builds a :class:`PrefillContext` for every forward of one transformers model.
+
+    Installed once per PEFT model by the PreFT tuners (:meth:`install`); adapter layers read
+    :attr:`current`.
+    """
+
+    def __init__(self) -> None:
+        self.current: PrefillContext | None = None
+        # cache object -> P of the sequences it holds (weak: caches die with their generate call)
+        self._cache_prompt_lengths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._forwards_kwargs = False
+        self._warned_no_prompt = False
+
+    # ---------------------------------------------------------------- hooks
+    def install(self, model: nn.Module) -> None:
+        """Hook ``model`` (the transformers model) and its gradient-checkpointing layers."""
+        if self._handles:
+            return
+        self._forwards_kwargs = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD
+            for p in inspect.signature(model.forward).parameters.values()
+        )
+        self._handles.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._after_forward, with_kwargs=True))
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        for module in model.modules():
+            if isinstance(module, GradientCheckpointingLayer):
+                self._handles.append(
+                    module.register_forward_pre_hook(self._before_layer, with_kwargs=True)
+                )
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.current = None
+
+    def _before_layer(self, module, args, kwargs):
+        context = kwargs.pop(CONTEXT_KWARG, None)
+        if context is not None:
+            self.current = context
+        return args, kwargs
+
+    def _before_forward(self, module, args, kwargs):
+        kwargs = dict(kwargs)
+        explicit = kwargs.pop("prompt_lengths", None)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        reference = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if reference is None:
+            raise ValueError("PreFT needs input_ids or inputs_embeds to place the prefill mask")
+        batch_size, length = reference.shape[0], reference.shape[1]
+        device = reference.device
+        past = kwargs.get("past_key_values")
+        positions, real = self._positions(kwargs, batch_size, length, _cache_length(past), device)
+
+        if explicit is not None:
+            prompt_lengths = _as_lengths(explicit, batch_size, device)
+        elif kwargs.get("labels") is not None:
+            prompt_lengths = self._prompt_lengths_from_labels(kwargs["labels"], positions, real)
+        elif past is not None and past in self._cache_prompt_lengths and _cache_length(past) > 0:
+            prompt_lengths = self._cache_prompt_lengths[past]
+            if prompt_lengths.shape[0] != batch_size:
+                raise ValueError(
+                    f"the KV cache was filled for {prompt_lengths.shape[0]} rows, this forward has {batch_size}"
+                )
+        else:  # a prefill: every real token is a prompt token
+            prompt_lengths = positions.masked_fill(~real, -1).amax(dim=1) + 1
+
+        self.current = PrefillContext(positions=positions, prompt_lengths=prompt_lengths)
+        if self._forwards_kwargs:
+            kwargs[CONTEXT_KWARG] = self.current
+        return args, kwargs
+
+    def _after_forward(self, module, args, kwargs, output):
+        cache = getattr(output, "past_key_values", None)
+        if cache is not None and self.current is not None:
+            self._cache_prompt_lengths[cache] = self.current.prompt_lengths
+        return output
+
+    # -------------------------------------------------------------- helpers
+    @staticmethod
+    def _positions(kwargs, batch_size, length, past_length, device):
+        """Absolute positions ``[B, T]`` and a ``[B, T]`` mask of real (non-pad) tokens."""
+        attention_mask = kwargs.get("attention_mask")
+        real = torch.ones(batch_size, length, dtype=torch.bool, device=device)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            real = attention_mask[:, -length:].bool()
+        position_ids = kwargs.get("position_ids")
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2:
+            return position_ids.expand(batch_size, length).long(), real
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            counted = attention_mask.long().cumsum(-1) - 1
+            # an attention mask covering only the new tokens continues after the cache
+            offset = past_length if attention_mask.shape[1] == length else 0
+            return (counted[:, -length:] + offset).clamp(min=0), real
+        positions = torch.arange(past_length, past_length + length, device=device)
+        return positions.expand(batch_size, length), real
+
+    def _prompt_lengths_from_labels(self, labels, positions, real):
+        """P = position of the first label != -100; a row with none is all prompt."""
+        is_completion = (labels != IGNORE_INDEX) & real
+        has_completion = is_completion.any(dim=1)
+        first = is_completion.int().argmax(dim=1)
+        at_first = positions.gather(1, first[:, None]).squeeze(1)
+        all_prompt = positions.masked_fill(~real, -1).amax(dim=1) + 1
+        prompt_lengths = torch.where(has_completion, at_first, all_prompt)
+        if not self._warned_no_prompt and bool((prompt_lengths == 0).all()):
+            self._warned_no_prompt = True
+            warnings.warn(
+                "PreFT: every row's first label is a real token, so no row has prompt tokens and "
+                "a prefill-only adapter is inactive. Mask the prompt in `labels` with -100 or pass "
+                "`prompt_lengths=`.",
+                stacklevel=2,
+            )
+        return prompt_lengths

@@ -1,0 +1,101 @@
+"""LoRA-P layer: PEFT's LoRA ``Linear`` whose update is masked per token by position."""
+
+from __future__ import annotations
+
+import torch
+from peft.tuners.lora.layer import Linear, LoraLayer, LoraVariant
+
+from preft.context import PrefillTracker
+
+
+class PrefillOnlyLinearVariant(LoraVariant):
+    """``result + mask * (alpha/r) * B(A(dropout(x)))`` with ``mask`` from the prefill context.
+
+    Picked for every adapter of a :class:`PreftLinear` (the PEFT ``LoraVariant`` mechanism, as
+    DoRA and aLoRA use). Tokens outside ``[adapter_start, P)`` get exactly the base output; a
+    forward with no active token (a decode step) skips the LoRA matmuls.
+    """
+
+    @staticmethod
+    def init(module: "PreftLinear", adapter_name: str, config=None, **kwargs) -> None:
+        module.adapter_start[adapter_name] = config.adapter_start
+        module.prefill_only[adapter_name] = config.prefill_only
+
+    @staticmethod
+    def forward(module: "PreftLinear", active_adapter: str, x: torch.Tensor, result: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        lora_A, lora_B = module.lora_A[active_adapter], module.lora_B[active_adapter]
+        dropout, scaling = module.lora_dropout[active_adapter], module.scaling[active_adapter]
+        if not module.prefill_only[active_adapter]:
+            return result + lora_B(lora_A(dropout(x))) * scaling
+        mask = module.token_mask(active_adapter, x)
+        if not bool(mask.any()):
+            return result
+        delta = lora_B(lora_A(dropout(x))) * scaling
+        return result + delta * mask.unsqueeze(-1).to(delta.dtype)
+
+    # Merging is plain LoRA for all-token adapters and refused for prefill-only ones: merged
+    # weights would apply the adapter to every token, including generated ones.
+    @staticmethod
+    def _delta_weight(module: "PreftLinear", active_adapter: str) -> torch.Tensor:
+        if module.prefill_only[active_adapter]:
+            raise ValueError(
+                f"prefill-only LoRA adapter {active_adapter!r} cannot be merged into the base "
+                "weights: merged weights apply it to every token, including generated ones. Serve "
+                "it with `preft serve`, or train with prefill_only=False for an all-token adapter."
+            )
+        return module.get_delta_weight(active_adapter)
+
+    @staticmethod
+    def merge_safe(module, active_adapter, orig_weight):
+        return orig_weight + PrefillOnlyLinearVariant._delta_weight(module, active_adapter).to(orig_weight.dtype)
+
+    @staticmethod
+    def merge_unsafe(module, active_adapter, orig_weight):
+        orig_weight.data += PrefillOnlyLinearVariant._delta_weight(module, active_adapter).to(orig_weight.dtype)
+
+    @staticmethod
+    def unmerge(module, active_adapter, orig_weight):
+        return orig_weight - PrefillOnlyLinearVariant._delta_weight(module, active_adapter).to(orig_weight.dtype)
+
+
+class PreftLinear(Linear):
+    """A LoRA ``Linear`` whose adapters read the prefill mask of the current forward."""
+
+    def __init__(self, base_layer, adapter_name: str, prefill_tracker: PrefillTracker, **kwargs):
+        # set before Linear.__init__, which initialises the first adapter through the variant
+        object.__setattr__(self, "prefill_tracker", prefill_tracker)
+        object.__setattr__(self, "adapter_start", {})
+        object.__setattr__(self, "prefill_only", {})
+        super().__init__(base_layer, adapter_name, **kwargs)
+
+    @property
+    def lora_variants(self):
+        return {(): PrefillOnlyLinearVariant}
+
+    def token_mask(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` bool mask of the tokens ``adapter_name`` is active on in this forward."""
+        context = self.prefill_tracker.current
+        if context is None:
+            raise RuntimeError(
+                "PreFT layer called outside a forward of its PEFT model: no prefill context. "
+                "Call the PEFT model (or its base model), not a layer on its own."
+            )
+        mask = context.active_mask(self.adapter_start[adapter_name])
+        if tuple(mask.shape) != tuple(x.shape[:2]):
+            raise RuntimeError(
+                f"prefill mask of shape {tuple(mask.shape)} does not match layer input "
+                f"{tuple(x.shape)}: PreFT expects [batch, tokens, features] inputs"
+            )
+        return mask
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        super().delete_adapter(adapter_name)
+        self.adapter_start.pop(adapter_name, None)
+        self.prefill_only.pop(adapter_name, None)
+
+    def __repr__(self) -> str:
+        return "preft_" + super().__repr__()
+
+
+__all__ = ["LoraLayer", "PreftLinear", "PrefillOnlyLinearVariant"]

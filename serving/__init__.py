@@ -1,0 +1,1 @@
+"""vLLM serving for PreFT adapters (plugin, scheduler, server): arrives with the serving issue."""

@@ -1,0 +1,79 @@
+"""Shared fixtures: the embedded default base model, its tokenizer, PreFT model factories."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import preft  # noqa: E402  (registers the PreFT methods with PEFT)
+from peft import get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+PROMPTS = [
+    "add 12 35 =",
+    "reverse 3 1 4 1 5 9 2 6 =",
+    "the quiet",
+    "a=7 b=2 c=9 d=4 ; c =",
+]
+
+
+@pytest.fixture(scope="session")
+def base_path() -> str:
+    return preft.DEFAULT_BASE_MODEL
+
+
+@pytest.fixture(scope="session")
+def tokenizer(base_path):
+    tok = AutoTokenizer.from_pretrained(base_path)
+    assert tok.padding_side == "left"
+    return tok
+
+
+def load_base(path: str, dtype=torch.float32):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@pytest.fixture
+def make_peft_model(base_path):
+    """Build a fresh PEFT model on the default base; weights depend only on ``seed``."""
+
+    def build(config, seed: int = 0, dtype=torch.float32):
+        base = load_base(base_path, dtype)
+        torch.manual_seed(seed)
+        model = get_peft_model(base, config)
+        with torch.no_grad():  # random ReFT inits are mild; make the edit visible in greedy tokens
+            for name, param in model.named_parameters():
+                if "reft_source" in name:
+                    param.mul_(4.0)
+        return model.to(dtype).eval()
+
+    return build
+
+
+@pytest.fixture
+def prompt_batch(tokenizer):
+    """The PROMPTS as one left-padded batch (different lengths)."""
+    return tokenizer(PROMPTS, return_tensors="pt", padding=True)
+
+
+# Adapters initialised randomly (init_*=False) so that they visibly change the model.
+ADAPTER_CONFIGS = {
+    "lora_p": lambda **kw: preft.PreftLoraConfig(
+        r=8, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],
+        init_lora_weights=False, task_type="CAUSAL_LM", **kw),
+    "loreft_p": lambda **kw: preft.PreftReftConfig(
+        rank=4, layers=[0, 2], intervention="loreft", init_weights=False, task_type="CAUSAL_LM", **kw),
+    "direft_p": lambda **kw: preft.PreftReftConfig(
+        rank=4, layers=[1, 3], intervention="direft", init_weights=False, task_type="CAUSAL_LM", **kw),
+}
+
+
+@pytest.fixture(params=sorted(ADAPTER_CONFIGS))
+def adapter_kind(request) -> str:
+    return request.param

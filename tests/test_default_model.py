@@ -1,0 +1,60 @@
+"""The embedded default base model: shipped files, HF loading, and vLLM loading with parity."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+import preft
+from conftest import PROMPTS, load_base
+
+HELPERS = Path(__file__).parent / "helpers"
+
+
+def test_default_model_is_shipped_small_and_documented(base_path):
+    files = {p.name: p.stat().st_size for p in Path(base_path).iterdir()}
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "training_summary.json"):
+        assert name in files, name
+    assert sum(files.values()) < 20 * 2**20
+    config = AutoConfig.from_pretrained(base_path)
+    assert config.model_type == "llama"
+    summary = json.loads((Path(base_path) / "training_summary.json").read_text())
+    assert summary["steps"] > 0 and summary["final_eval_loss"] < summary["history"][0]["eval_loss"]
+
+
+@torch.no_grad()
+def test_default_model_learned_the_corpus(base_path, tokenizer):
+    """Not a random network: it completes easy corpus patterns."""
+    model = load_base(base_path)
+    prompts = ["copy 1 2 3 =", "a=4 b=8 ; b =", "reverse 5 6 7 ="]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=8, do_sample=False)
+    answers = [a.strip() for a in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
+    assert answers[0] == "1 2 3" and answers[1] == "8", answers
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_default_model_in_vllm_matches_hf(base_path, tokenizer):
+    new_tokens = 8
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run(
+        [sys.executable, str(HELPERS / "vllm_greedy.py"), base_path, str(new_tokens), *PROMPTS],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    from_vllm = json.loads(lines[0].removeprefix("RESULT "))
+
+    model = load_base(base_path)
+    for prompt, tokens in zip(PROMPTS, from_vllm):
+        batch = tokenizer([prompt], return_tensors="pt")
+        out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        assert out[0, batch["input_ids"].shape[1]:].tolist() == tokens, prompt
