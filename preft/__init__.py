@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from preft import data
 from preft.context import PrefillContext, PrefillTracker
 from preft.registration import register_with_peft
 from preft.tuners import PREFT_LORA, PREFT_REFT, PreftLoraConfig, PreftLoraModel, PreftReftConfig, PreftReftModel
@@ -23,6 +24,6 @@ DEFAULT_BASE_MODEL = str(Path(__file__).parent / "default_base")
 register_with_peft()
 
 __all__ = [
-    "DEFAULT_BASE_MODEL", "PREFT_LORA", "PREFT_REFT", "PrefillContext", "PrefillTracker",
+    "DEFAULT_BASE_MODEL", "data", "PREFT_LORA", "PREFT_REFT", "PrefillContext", "PrefillTracker",
     "PreftLoraConfig", "PreftLoraModel", "PreftReftConfig", "PreftReftModel",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 # Subcommands whose implementation lands with a later issue. They say so and exit non-zero:
@@ -11,11 +12,16 @@ PLANNED = {
     "export": "validate a PEFT adapter against its base model and write a serving bundle",
     "serve": "OpenAI-compatible vLLM server with prefill-only adapters",
     "eval": "loss (PreFT vs all-token PEFT by rank) and serving goodput reports",
-    "bench": "side-by-side throughput benchmarks",
+}
+
+BENCHMARKS = {
+    "sft-step": "SFT step time, LoRA-P vs all-token LoRA (docs/RESULTS.md)",
 }
 
 RECIPES = {
     "pretrain_base": "preft.recipes.pretrain_base",
+    "sft": "preft.recipes.sft",
+    "grpo": "preft.recipes.grpo",
 }
 
 
@@ -42,6 +48,14 @@ def _demo(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    if args.which == "sft-step":
+        from preft.eval.bench_sft import main
+
+        main(repeats=args.repeats)
+    return 0
+
+
 def _planned(name: str):
     def run(args) -> int:
         print(f"preft {name}: not implemented yet ({PLANNED[name]}); see the open issues.", file=sys.stderr)
@@ -57,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    train = sub.add_parser("train", help="run a recipe: preft train recipes/configs/NAME.yaml [key=value ...]")
+    train = sub.add_parser("train", help="run a recipe (pretrain_base, sft, grpo): preft train CONFIG [key=value ...]")
     train.add_argument("config", help="YAML recipe config (its 'recipe' key names the recipe)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nesting")
     train.set_defaults(run=_train)
@@ -66,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=300, help="training steps per adapter (default 300)")
     demo.add_argument("--output-dir", default="runs/demo", help="where the adapter is saved")
     demo.set_defaults(run=_demo)
+
+    bench = sub.add_parser("bench", help="side-by-side benchmarks; results go to docs/RESULTS.md")
+    bench.add_argument("which", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
+    bench.add_argument("--repeats", type=int, default=30, help="timed steps per side (default 30)")
+    bench.set_defaults(run=_bench)
 
     for name, what in PLANNED.items():
         sub.add_parser(name, help=f"{what} (not implemented yet)").set_defaults(run=_planned(name))
@@ -77,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as err:
-        print(f"preft {args.command}: error: {err}", file=sys.stderr)
+        if os.environ.get("PREFT_DEBUG"):
+            raise
+        print(f"preft {args.command}: error: {err} (PREFT_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
 
 

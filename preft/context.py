@@ -54,7 +54,7 @@ class PrefillContext:
 
     positions: torch.Tensor
     prompt_lengths: torch.Tensor | None
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _masks: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def active_mask(self, adapter_start: int = 0) -> torch.Tensor:
         """``[B, T]`` bool: True where ``adapter_start <= position < P``."""
@@ -64,6 +64,13 @@ class PrefillContext:
                 mask = mask & (self.positions < self.prompt_lengths[:, None])
             self._masks[adapter_start] = mask
         return self._masks[adapter_start]
+
+    def weights(self, adapter_start: int, dtype: torch.dtype) -> torch.Tensor:
+        """``active_mask`` as ``[B, T, 1]`` of ``dtype`` (cached: every adapter layer multiplies by it)."""
+        key = (adapter_start, dtype)
+        if key not in self._masks:
+            self._masks[key] = self.active_mask(adapter_start).unsqueeze(-1).to(dtype)
+        return self._masks[key]
 
 
 def _as_lengths(value: Any, batch_size: int, device: torch.device) -> torch.Tensor:
@@ -77,6 +84,23 @@ def _as_lengths(value: Any, batch_size: int, device: torch.device) -> torch.Tens
     if (lengths < 0).any():
         raise ValueError(f"prompt_lengths must be >= 0, got {lengths.tolist()}")
     return lengths
+
+
+def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``P`` per row: the absolute position of the first label != -100 (TRL's layout).
+
+    Positions count real tokens (``attention_mask``) unless given, so left and right padding
+    both work; a row without any completion label is all prompt.
+    """
+    real = torch.ones_like(labels, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if positions is None:
+        positions = real.long().cumsum(-1) - 1
+    is_completion = (labels != IGNORE_INDEX) & real
+    first = is_completion.int().argmax(dim=1)
+    at_first = positions.gather(1, first[:, None]).squeeze(1)
+    all_prompt = positions.masked_fill(~real, -1).amax(dim=1) + 1
+    return torch.where(is_completion.any(dim=1), at_first, all_prompt)
 
 
 def _cache_length(past_key_values: Any) -> int:
@@ -189,13 +213,7 @@ class PrefillTracker:
         return positions.expand(batch_size, length), real
 
     def _prompt_lengths_from_labels(self, labels, positions, real):
-        """P = position of the first label != -100; a row with none is all prompt."""
-        is_completion = (labels != IGNORE_INDEX) & real
-        has_completion = is_completion.any(dim=1)
-        first = is_completion.int().argmax(dim=1)
-        at_first = positions.gather(1, first[:, None]).squeeze(1)
-        all_prompt = positions.masked_fill(~real, -1).amax(dim=1) + 1
-        prompt_lengths = torch.where(has_completion, at_first, all_prompt)
+        prompt_lengths = prompt_lengths_from_labels(labels, real, positions)
         if not self._warned_no_prompt and bool((prompt_lengths == 0).all()):
             self._warned_no_prompt = True
             warnings.warn(

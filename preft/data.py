@@ -37,9 +37,10 @@ PLACES = ["near the river", "in the garden", "by the road", "under the tree", "i
 KEYS = list("abcdefghijklmnopqrstuvwxyz")
 
 
-def arithmetic_example(rng: random.Random, max_value: int = 99) -> Example:
-    """``add a b =`` / ``sub a b =`` / ``mul a b =`` with the exact answer."""
-    op = rng.choice(["add", "sub", "mul"])
+def arithmetic_example(rng: random.Random, max_value: int = 99,
+                       ops: tuple[str, ...] = ("add", "sub", "mul")) -> Example:
+    """``add a b =`` / ``sub a b =`` / ``mul a b =`` with the exact answer (``mul`` up to 12)."""
+    op = rng.choice(ops)
     a, b = rng.randint(0, max_value), rng.randint(0, max_value)
     if op == "mul":
         a, b = rng.randint(0, 12), rng.randint(0, 12)
@@ -144,12 +145,16 @@ def user_examples(user: int, n: int, seed: int = 0) -> list[Example]:
 # Verifiable arithmetic (RL): prompts with a hidden exact answer and an exact-match reward.
 
 
-def arithmetic_prompts(n: int, seed: int = 0, max_value: int = 20) -> list[dict[str, str]]:
-    """``{"prompt": "add 3 9 =", "answer": "12"}`` rows for GRPO (the answer is not shown)."""
+def arithmetic_prompts(n: int, seed: int = 0, max_value: int = 20,
+                       ops: tuple[str, ...] = ("add", "sub")) -> list[dict[str, str]]:
+    """``{"prompt": "add 3 9 =", "answer": "12"}`` rows for GRPO (the answer is not shown).
+
+    The default ops are the ones the default base model mostly gets wrong (it has ``mul``).
+    """
     rng = random.Random(f"arithmetic-rl-{seed}")
     rows = []
     for _ in range(n):
-        example = arithmetic_example(rng, max_value=max_value)
+        example = arithmetic_example(rng, max_value=max_value, ops=tuple(ops))
         rows.append({"prompt": example["prompt"], "answer": example["completion"].strip()})
     return rows
 

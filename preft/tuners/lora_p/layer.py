@@ -9,11 +9,13 @@ from preft.context import PrefillTracker
 
 
 class PrefillOnlyLinearVariant(LoraVariant):
-    """``result + mask * (alpha/r) * B(A(dropout(x)))`` with ``mask`` from the prefill context.
+    """``result + B(mask * (alpha/r) * A(dropout(x)))`` with ``mask`` from the prefill context.
 
     Picked for every adapter of a :class:`PreftLinear` (the PEFT ``LoraVariant`` mechanism, as
     DoRA and aLoRA use). Tokens outside ``[adapter_start, P)`` get exactly the base output; a
-    forward with no active token (a decode step) skips the LoRA matmuls.
+    forward with no active token (a decode step) skips the LoRA matmuls. The per-token mask and
+    the scale multiply the rank-r intermediate, not the output: ``B`` is linear, so
+    ``B(m * A x) = m * B(A x)``, at ``r / out_features`` of the cost.
     """
 
     @staticmethod
@@ -31,8 +33,9 @@ class PrefillOnlyLinearVariant(LoraVariant):
         mask = module.token_mask(active_adapter, x)
         if not bool(mask.any()):
             return result
-        delta = lora_B(lora_A(dropout(x))) * scaling
-        return result + delta * mask.unsqueeze(-1).to(delta.dtype)
+        context = module.prefill_tracker.current
+        weights = context.weights(module.adapter_start[active_adapter], x.dtype)
+        return result + lora_B(lora_A(dropout(x)) * (weights * scaling))
 
     # Merging is plain LoRA for all-token adapters and refused for prefill-only ones: merged
     # weights would apply the adapter to every token, including generated ones.

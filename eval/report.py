@@ -1,0 +1,32 @@
+"""Write benchmark results: a JSON file and a marked section of docs/RESULTS.md.
+
+Numbers reach the docs only through here, never typed by hand: each section is replaced
+between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` markers, with the command that
+produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_result(name: str, result: dict[str, Any], markdown: str, docs_dir: Path | None = None) -> Path:
+    docs = docs_dir or REPO / "docs"
+    (docs / "results").mkdir(parents=True, exist_ok=True)
+    json_path = docs / "results" / f"{name}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    results_md = docs / "RESULTS.md"
+    text = results_md.read_text() if results_md.exists() else "# Measured results\n"
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    if start in text and end in text:
+        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    results_md.write_text(text)
+    return json_path
