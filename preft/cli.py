@@ -9,7 +9,6 @@ import sys
 # Subcommands whose implementation lands with a later issue. They say so and exit non-zero:
 # a command that is not built yet must not look as if it worked.
 PLANNED = {
-    "export": "validate a PEFT adapter against its base model and write a serving bundle",
     "serve": "OpenAI-compatible vLLM server with prefill-only adapters",
     "eval": "loss (PreFT vs all-token PEFT by rank) and serving goodput reports",
 }
@@ -48,6 +47,20 @@ def _demo(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from preft.export import export_adapter
+
+    base = args.base
+    if base == "default":
+        import preft
+
+        base = preft.DEFAULT_BASE_MODEL
+    manifest = export_adapter(args.adapter_dir, base, args.output, max_rank=args.max_rank)
+    print(f"exported {manifest['kind']} adapter (rank {manifest['rank']}, prefill_only={manifest['prefill_only']}, "
+          f"adapter_start={manifest['adapter_start']}) to {args.output}")
+    return 0
+
+
 def _bench(args) -> int:
     if args.which == "sft-step":
         from preft.eval.bench_sft import main
@@ -80,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=300, help="training steps per adapter (default 300)")
     demo.add_argument("--output-dir", default="runs/demo", help="where the adapter is saved")
     demo.set_defaults(run=_demo)
+
+    export = sub.add_parser("export", help="check an adapter against its base model and write a serving bundle")
+    export.add_argument("adapter_dir", help="PEFT adapter directory (save_pretrained output)")
+    export.add_argument("--base", required=True, help="base model directory ('default' = the embedded model)")
+    export.add_argument("-o", "--output", required=True, help="bundle directory to write")
+    export.add_argument("--max-rank", type=int, default=64, help="largest rank the server accepts (default 64)")
+    export.set_defaults(run=_export)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks; results go to docs/RESULTS.md")
     bench.add_argument("which", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))

@@ -212,3 +212,18 @@ def test_accelerate_launch_runs_a_recipe(tmp_path):
     assert summary["steps"] == 2
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["peft_type"] == preft.PREFT_REFT
     assert AutoModelForCausalLM  # the adapter dir is loaded in the recipe tests above
+
+
+def test_conversational_dataset_prompt_length_is_the_templated_prompt(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": ex["prompt"]}],
+             "completion": [{"role": "assistant", "content": ex["completion"].strip()}]}
+            for ex in preft.data.user_examples(0, 8)]
+    trainer = sft_trainer(tmp_path, preft.PreftLoraConfig(r=4), dataset=Dataset.from_list(rows))
+    batch = next(iter(trainer.get_train_dataloader()))
+    tokenizer = trainer.processing_class
+    prompt_lengths = preft.context.prompt_lengths_from_labels(batch["labels"], batch["attention_mask"])
+    for row, length in enumerate(prompt_lengths.tolist()):
+        prompt_text = tokenizer.decode(batch["input_ids"][row][:length])
+        assert prompt_text.endswith("assistant:") and prompt_text.count("user: rewrite") == 1, prompt_text
+    trainer.train()
+    assert trainer.state.global_step == 1

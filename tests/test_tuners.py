@@ -147,3 +147,26 @@ def test_reft_layers_out_of_range(base_path):
 def test_lora_on_unsupported_module_type_is_refused(base_path):
     with pytest.raises(ValueError, match="torch.nn.Linear target modules only"):
         get_peft_model(load_base(base_path), preft.PreftLoraConfig(target_modules=["embed_tokens"]))
+
+
+@torch.no_grad()
+def test_any_local_qwen2_directory_works(tmp_path, tokenizer):
+    """The tuners are not tied to the default model: a local Qwen2 directory works the same."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from test_prefill_generation import greedy, manual_greedy
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    batch = tokenizer(["add 1 2 =", "reverse 4 5 6 7 ="], return_tensors="pt", padding=True)
+    for peft_config in (preft.PreftLoraConfig(r=4, init_lora_weights=False),
+                        preft.PreftReftConfig(rank=2, layers=[1], init_weights=False)):
+        torch.manual_seed(0)
+        model = get_peft_model(load_base(str(tmp_path)), peft_config).eval()
+        width = batch["input_ids"].shape[1]
+        assert torch.equal(greedy(model, batch, 6)[:, width:], manual_greedy(model, batch, 6))
