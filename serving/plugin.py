@@ -1,0 +1,92 @@
+"""The PreFT vLLM plugin: loaded in every vLLM process through ``vllm.general_plugins``.
+
+``register()`` patches two things, both idempotently (vLLM may call it several times per
+process) and only on vLLM 0.32, whose internals they were written against:
+
+1. ``InputBatch.make_lora_inputs`` -> :func:`preft.serving.lora_mapping.prefill_only_mapping`:
+   per-token LoRA ids by absolute position, with each adapter's rule read from the
+   ``preft_manifest.json`` of its bundle (``preft export``). Adapters without a manifest are
+   applied to every token, exactly as stock vLLM does. A LoRA whose request has no active token
+   this step is not asked for, so it needs no adapter slot.
+2. ``PunicaWrapperBase.__init__``: room for 3 LoRA segments per request. vLLM sizes its
+   segment buffers for one run of equal LoRA ids per request; keyed on position, a request can
+   have three (before ``adapter_start``, the adapter's span, after ``P``).
+3. The CPU punica ops -> :mod:`preft.serving.lora_ops` (grouped by slot, ``-1`` = no adapter),
+   unless ``PREFT_STOCK_LORA_OPS=1`` (used to measure stock vLLM in the benchmarks).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from preft.serving.lora_mapping import AdapterRule, prefill_only_mapping
+
+SUPPORTED_VLLM = ("0.32.",)
+_PATCHED = False
+
+
+@functools.lru_cache(maxsize=4096)
+def adapter_rule(lora_path: str) -> AdapterRule:
+    """The rule of the bundle at ``lora_path`` (no manifest: an all-token LoRA)."""
+    manifest = Path(lora_path) / "preft_manifest.json"
+    if not manifest.is_file():
+        return AdapterRule()
+    data = json.loads(manifest.read_text())
+    return AdapterRule(prefill_only=bool(data.get("prefill_only")), adapter_start=int(data.get("adapter_start", 0)))
+
+
+def make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens: np.ndarray):
+    """Replacement for ``InputBatch.make_lora_inputs`` (same signature and return types)."""
+    n = self.num_reqs
+    request_ids = self.request_lora_mapping[:n]
+    rules = {lora_id: adapter_rule(request.lora_path) for lora_id, request in self.lora_id_to_lora_request.items()}
+    token_ids, sampled_ids = prefill_only_mapping(
+        request_ids, self.num_computed_tokens_cpu[:n].astype(np.int64), self.num_prompt_tokens[:n].astype(np.int64),
+        np.asarray(num_scheduled_tokens), np.asarray(num_sampled_tokens), rules,
+    )
+    used = set(np.unique(token_ids).tolist()) | set(np.unique(sampled_ids).tolist())
+    active_requests = {request for lora_id, request in self.lora_id_to_lora_request.items() if lora_id in used}
+    return tuple(sampled_ids.tolist()), tuple(token_ids.tolist()), active_requests
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    import vllm
+
+    if not vllm.__version__.startswith(SUPPORTED_VLLM):
+        raise RuntimeError(
+            f"preft's vLLM plugin supports vLLM {SUPPORTED_VLLM}, found {vllm.__version__}: "
+            "its patches target private internals of that release"
+        )
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    InputBatch.make_lora_inputs = make_lora_inputs
+
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+
+    original_init = PunicaWrapperBase.__init__
+
+    @functools.wraps(original_init)
+    def init_with_segment_room(self, max_num_batched_tokens, max_batches, device, *args, **kwargs):
+        original_init(self, max_num_batched_tokens, 3 * max_batches, device, *args, **kwargs)
+
+    PunicaWrapperBase.__init__ = init_with_segment_room
+    if os.environ.get("PREFT_STOCK_LORA_OPS") != "1":
+        from vllm.lora.punica_wrapper import punica_cpu
+
+        from preft.serving import lora_ops
+
+        for name in ("bgmv_expand", "bgmv_expand_slice", "bgmv_shrink", "sgmv_expand", "sgmv_expand_slice",
+                     "sgmv_shrink"):
+            if not hasattr(punica_cpu, name):
+                raise RuntimeError(f"vllm.lora.punica_wrapper.punica_cpu.{name} moved: update preft's plugin")
+            setattr(punica_cpu, name, getattr(lora_ops, name))
+    _PATCHED = True

@@ -1,0 +1,41 @@
+"""Run greedy requests through a real vLLM engine (PreFT plugin loaded) and print the tokens.
+
+    python tests/helpers/vllm_engine.py SPEC.json
+
+SPEC: {"model": dir, "engine": {LLM kwargs}, "max_tokens": n, "rounds": k,
+       "requests": [{"prompt": str, "adapter": name|null, "bundle": dir|null}]}
+Prints ``RESULT <json>``: per round, the generated token ids of every request. ``rounds`` > 1
+re-sends the same batch to the same engine (the later rounds hit the prefix cache).
+vLLM's CPU engine spawns processes, so the engine is built under a __main__ guard.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    spec = json.loads(open(sys.argv[1]).read())
+    engine = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
+    engine.update(spec.get("engine", {}))
+    llm = LLM(model=spec["model"], **engine)
+    n = spec["max_tokens"]
+    params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+    ids = {}
+    lora_requests = []
+    for request in spec["requests"]:
+        if request.get("adapter"):
+            ids.setdefault(request["adapter"], len(ids) + 1)
+            lora_requests.append(LoRARequest(request["adapter"], ids[request["adapter"]], request["bundle"]))
+        else:
+            lora_requests.append(None)
+    rounds = []
+    for _ in range(spec.get("rounds", 1)):
+        outputs = llm.generate([r["prompt"] for r in spec["requests"]], params, lora_request=lora_requests,
+                               use_tqdm=False)
+        rounds.append([list(o.outputs[0].token_ids) for o in outputs])
+    print("RESULT " + json.dumps(rounds), flush=True)

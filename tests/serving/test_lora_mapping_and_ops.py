@@ -1,0 +1,78 @@
+"""Unit tests of the engine-side pieces: the position-keyed LoRA mapping and the CPU LoRA ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from preft.serving import lora_ops
+from preft.serving.lora_mapping import AdapterRule, prefill_only_mapping
+
+
+def test_mapping_keys_on_position_not_on_step_kind():
+    rules = {1: AdapterRule(prefill_only=True), 2: AdapterRule(prefill_only=True, adapter_start=2), 3: AdapterRule()}
+    # request 0: adapter 1, P=5, second chunk (positions 3, 4, 5): 5 is past the prompt
+    # request 1: adapter 2, P=4, whole prompt (0..3) with start 2
+    # request 2: adapter 1, decoding at position 9 (one token)
+    # request 3: adapter 3 (all-token), decoding
+    # request 4: no adapter
+    token_ids, sampled_ids = prefill_only_mapping(
+        request_lora_ids=np.array([1, 2, 1, 3, 0]),
+        num_computed_tokens=np.array([3, 0, 9, 7, 0]),
+        num_prompt_tokens=np.array([5, 4, 6, 3, 2]),
+        num_scheduled_tokens=np.array([3, 4, 1, 1, 2]),
+        num_sampled_tokens=np.array([1, 1, 1, 1, 1]),
+        rules=rules,
+    )
+    assert token_ids.tolist() == [1, 1, 0, 0, 0, 2, 2, 0, 3, 0, 0]
+    # the sampled token follows the last scheduled position of its request
+    assert sampled_ids.tolist() == [0, 2, 0, 3, 0]
+
+
+def test_mapping_recompute_after_preemption_and_prefix_hit_agree():
+    """Recomputing prompt + generated tokens from 0, or resuming after cached blocks, gives
+    the same per-position ids as the first computation."""
+    rules = {1: AdapterRule(prefill_only=True)}
+    full, _ = prefill_only_mapping(np.array([1]), np.array([0]), np.array([6]), np.array([9]), np.array([1]), rules)
+    resumed, _ = prefill_only_mapping(np.array([1]), np.array([4]), np.array([6]), np.array([5]), np.array([1]), rules)
+    assert full.tolist() == [1] * 6 + [0] * 3 and resumed.tolist() == full[4:].tolist()
+
+
+@pytest.mark.parametrize("add_inputs", [True, False])
+def test_grouped_ops_match_a_per_row_reference_and_skip_no_adapter_rows(add_inputs):
+    torch.manual_seed(0)
+    tokens, hidden, rank, out, slots = 7, 12, 4, 10, 3
+    x = torch.randn(tokens, hidden)
+    lora_a = torch.randn(slots, 1, rank, hidden)
+    lora_b = torch.randn(slots, 1, out, rank)
+    indices = torch.tensor([0, -1, 2, 2, -1, 0, 1])
+
+    shrunk = torch.full((tokens, rank), 7.0)
+    lora_ops.bgmv_shrink(x, lora_a, shrunk, indices, scaling=0.5)
+    base = torch.randn(tokens, out + 3)
+    expanded = base.clone()
+    lora_ops.bgmv_expand_slice(shrunk, lora_b, expanded, indices, 3, out, add_inputs)
+
+    for row, slot in enumerate(indices.tolist()):
+        if slot < 0:
+            assert torch.equal(shrunk[row], torch.zeros(rank))
+            expected = base[row, 3:] if add_inputs else torch.zeros(out)
+        else:
+            expected_shrunk = 0.5 * lora_a[slot, 0] @ x[row]
+            assert torch.allclose(shrunk[row], expected_shrunk, atol=1e-5)
+            delta = lora_b[slot, 0] @ expected_shrunk
+            expected = base[row, 3:] + delta if add_inputs else delta
+        assert torch.allclose(expanded[row, 3:], expected, atol=1e-4)
+        assert torch.equal(expanded[row, :3], base[row, :3])
+
+
+def test_sgmv_wrappers_explode_segments():
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    lora_a = torch.randn(2, 1, 3, 6)
+    out = torch.zeros(5, 3)
+    # segments: 2 tokens of slot 1, 3 tokens of no adapter
+    lora_ops.sgmv_shrink(x, lora_a, out, torch.tensor([0, 2]), torch.tensor([2, 3]), torch.tensor([1, -1]),
+                         2, 3, 5, 1.0)
+    assert torch.allclose(out[:2], x[:2] @ lora_a[1, 0].T, atol=1e-5) and torch.equal(out[2:], torch.zeros(3, 3))
