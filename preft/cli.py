@@ -9,7 +9,6 @@ import sys
 # Subcommands whose implementation lands with a later issue. They say so and exit non-zero:
 # a command that is not built yet must not look as if it worked.
 PLANNED = {
-    "serve": "OpenAI-compatible vLLM server with prefill-only adapters",
     "eval": "loss (PreFT vs all-token PEFT by rank) and serving goodput reports",
 }
 
@@ -61,6 +60,12 @@ def _export(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from preft.serving.server import serve
+
+    return serve(args)
+
+
 def _bench(args) -> int:
     if args.which == "sft-step":
         from preft.eval.bench_sft import main
@@ -100,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, help="bundle directory to write")
     export.add_argument("--max-rank", type=int, default=64, help="largest rank the server accepts (default 64)")
     export.set_defaults(run=_export)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible vLLM server; adapters apply to prompt tokens only")
+    from preft.serving.server import add_arguments
+
+    add_arguments(serve)
+    serve.set_defaults(run=_serve)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks; results go to docs/RESULTS.md")
     bench.add_argument("which", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))

@@ -5,8 +5,9 @@ process) and only on vLLM 0.32, whose internals they were written against:
 
 1. ``InputBatch.make_lora_inputs`` -> :func:`preft.serving.lora_mapping.prefill_only_mapping`:
    per-token LoRA ids by absolute position, with each adapter's rule read from the
-   ``preft_manifest.json`` of its bundle (``preft export``). Adapters without a manifest are
-   applied to every token, exactly as stock vLLM does. A LoRA whose request has no active token
+   ``preft_manifest.json`` of its bundle (``preft export``). Adapters without a manifest, and
+   every adapter under ``PREFT_ALL_TOKEN=1`` (``preft serve --all-token``), are applied to
+   every token, exactly as stock vLLM does. A LoRA whose request has no active token
    this step is not asked for, so it needs no adapter slot.
 2. ``PunicaWrapperBase.__init__``: room for 3 LoRA segments per request. vLLM sizes its
    segment buffers for one run of equal LoRA ids per request; keyed on position, a request can
@@ -34,7 +35,7 @@ _PATCHED = False
 def adapter_rule(lora_path: str) -> AdapterRule:
     """The rule of the bundle at ``lora_path`` (no manifest: an all-token LoRA)."""
     manifest = Path(lora_path) / "preft_manifest.json"
-    if not manifest.is_file():
+    if not manifest.is_file() or os.environ.get("PREFT_ALL_TOKEN") == "1":
         return AdapterRule()
     data = json.loads(manifest.read_text())
     return AdapterRule(prefill_only=bool(data.get("prefill_only")), adapter_start=int(data.get("adapter_start", 0)))

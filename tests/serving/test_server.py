@@ -1,0 +1,182 @@
+"""A live `preft serve` driven by the real `openai` client (one server for the module)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+import preft
+from conftest import load_base
+from preft.export import export_adapter
+
+NEW_TOKENS = 6
+ADAPTERS = [f"user{i}" for i in range(8)]
+PROMPTS = ["add 12 35 =", "reverse 3 1 4 =", "the quiet", "sort 8 2 1 9 =", "a=7 b=2 ; b ="]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, base_path):
+    root = tmp_path_factory.mktemp("served")
+    for index, name in enumerate(ADAPTERS):
+        torch.manual_seed(1000 + index)
+        config = preft.PreftLoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"],
+                                       init_lora_weights=False, adapter_start=index % 3)
+        get_peft_model(load_base(base_path), config).save_pretrained(root / name)
+        export_adapter(root / name, base_path, root / f"{name}.bundle")
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(adapters, base_path, tokenizer):
+    """HF greedy text per (adapter, prompt); adapter None = the base model."""
+    texts = {}
+    with torch.no_grad():
+        for name in [None, *ADAPTERS]:
+            model = load_base(base_path)
+            if name:
+                model = PeftModel.from_pretrained(model, adapters / name).eval()
+            batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+            out = model.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            decoded = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            texts.update({(name, p): t for p, t in zip(PROMPTS, decoded)})
+    return texts
+
+
+@pytest.fixture(scope="module")
+def server(adapters, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    # user7 is not given at start: the tests load it at run time
+    args = [sys.executable, "-m", "preft.cli", "serve", "--port", str(port), "--max-adapters", "4",
+            "--max-model-len", "128", "--max-rank", "8", "--dtype", "float32"]
+    for name in ADAPTERS[:-1]:
+        args += ["--adapter", f"{name}={adapters / (name + '.bundle')}"]
+    handle = open(log, "w")
+    proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=dict(os.environ))
+    started = time.time()
+    url = f"http://127.0.0.1:{port}"
+    while time.time() - started < 240:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("preft serve died:\n" + log.read_text()[-4000:])
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("preft serve not ready in 240 s:\n" + log.read_text()[-4000:])
+    yield {"url": url, "ready_s": time.time() - started, "log": log}
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    handle.close()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0)
+
+
+def complete(server, model: str, prompt: str, **kwargs) -> str:
+    response = client(server).completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
+                                                 temperature=0.0, extra_body={"min_tokens": NEW_TOKENS}, **kwargs)
+    return response.choices[0].text
+
+
+def post(server, path: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(server["url"] + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.mark.slow
+def test_models_lists_the_adapters_and_server_binds_loopback(server):
+    ids = {m.id for m in client(server).models.list().data}
+    assert {"base", *ADAPTERS[:-1]} <= ids
+    assert server["url"].startswith("http://127.0.0.1:")
+
+
+@pytest.mark.slow
+def test_completions_equal_hf_reference(server, reference):
+    for name in [None, "user0", "user1", "user2"]:
+        for prompt in PROMPTS:
+            assert complete(server, name or "base", prompt) == reference[(name, prompt)], (name, prompt)
+
+
+@pytest.mark.slow
+def test_chat_completions_work(server):
+    response = client(server).chat.completions.create(
+        model="user0", messages=[{"role": "user", "content": "add 2 3 ="}], max_tokens=4, temperature=0.0)
+    assert response.choices[0].message.content is not None and response.usage.prompt_tokens > 0
+
+
+@pytest.mark.slow
+def test_bad_requests_are_refused_and_the_server_keeps_serving(server, reference):
+    with pytest.raises(openai.NotFoundError):
+        complete(server, "nobody", "add 1 2 =")
+    with pytest.raises(openai.BadRequestError):
+        client(server).completions.create(model="user0", prompt="add 1 2 =", max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        client(server).completions.create(model="user0", prompt="add 1 2 = " * 200, max_tokens=4)
+    assert complete(server, "user1", PROMPTS[0]) == reference[("user1", PROMPTS[0])]
+
+
+@pytest.mark.slow
+def test_runtime_load_and_unload(server, adapters, reference):
+    status, body = post(server, "/v1/load_lora_adapter",
+                        {"lora_name": "user7", "lora_path": str(adapters / "user7.bundle")})
+    assert status == 200, body
+    assert complete(server, "user7", PROMPTS[1]) == reference[("user7", PROMPTS[1])]
+    status, body = post(server, "/v1/unload_lora_adapter", {"lora_name": "user7"})
+    assert status == 200, body
+    with pytest.raises(openai.NotFoundError):
+        complete(server, "user7", PROMPTS[1])
+    status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "ghost", "lora_path": "/nonexistent/bundle"})
+    assert status in (400, 404), body
+    assert complete(server, "user2", PROMPTS[2]) == reference[("user2", PROMPTS[2])]
+
+
+@pytest.mark.slow
+def test_200_concurrent_requests_over_the_adapters(server, adapters, reference):
+    post(server, "/v1/load_lora_adapter", {"lora_name": "user7", "lora_path": str(adapters / "user7.bundle")})
+    jobs = [(ADAPTERS[i % 8], PROMPTS[i % len(PROMPTS)]) for i in range(200)]
+    async_client = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    async def one(model, prompt):
+        response = await async_client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
+                                                         temperature=0.0, extra_body={"min_tokens": NEW_TOKENS})
+        return response.choices[0].text
+
+    async def run_all():
+        try:
+            return await asyncio.gather(*(one(m, p) for m, p in jobs))
+        finally:
+            await async_client.close()
+
+    answers = asyncio.run(run_all())
+    wrong = [(m, p, a) for (m, p), a in zip(jobs, answers) if a != reference[(m, p)]]
+    assert not wrong, wrong[:3]
