@@ -14,6 +14,9 @@ process) and only on vLLM 0.32, whose internals they were written against:
    have three (before ``adapter_start``, the adapter's span, after ``P``).
 3. The CPU punica ops -> :mod:`preft.serving.lora_ops` (grouped by slot, ``-1`` = no adapter),
    unless ``PREFT_STOCK_LORA_OPS=1`` (used to measure stock vLLM in the benchmarks).
+4. Under ``preft serve`` (``PREFT_SERVE_BASE`` set): ``/v1/load_lora_adapter`` runs the same
+   bundle checks as start-up (manifest, kind, rank, base model, finite weights) and answers
+   400 with the reason, before the engine sees the adapter.
 """
 
 from __future__ import annotations
@@ -55,6 +58,34 @@ def make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens:
     return tuple(sampled_ids.tolist()), tuple(token_ids.tolist()), active_requests
 
 
+def check_runtime_loads() -> None:
+    """Wrap vLLM's load-request check with the bundle checks of ``preft serve``."""
+    from http import HTTPStatus
+
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve import create_error_response
+
+    from preft.export import ExportError
+    from preft.serving.server import check_bundle
+
+    original = OpenAIServingModels._check_load_lora_adapter_request
+
+    @functools.wraps(original)
+    async def checked(self, request):
+        error = await original(self, request)
+        if error is not None:
+            return error
+        try:
+            check_bundle(request.lora_name, request.lora_path, Path(os.environ["PREFT_SERVE_BASE"]),
+                         int(os.environ["PREFT_SERVE_MAX_RANK"]))
+        except ExportError as err:
+            return create_error_response(message=str(err), err_type="BadRequestError",
+                                         status_code=HTTPStatus.BAD_REQUEST)
+        return None
+
+    OpenAIServingModels._check_load_lora_adapter_request = checked
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group."""
     global _PATCHED
@@ -90,4 +121,6 @@ def register() -> None:
             if not hasattr(punica_cpu, name):
                 raise RuntimeError(f"vllm.lora.punica_wrapper.punica_cpu.{name} moved: update preft's plugin")
             setattr(punica_cpu, name, getattr(lora_ops, name))
+    if os.environ.get("PREFT_SERVE_BASE"):
+        check_runtime_loads()
     _PATCHED = True

@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from preft.export import ExportError, read_manifest
+from preft.export import ExportError, _check_finite, _load_tensors, read_manifest
 
 
 def check_bundle(name: str, path: str, base_dir: Path, max_rank: int) -> dict:
@@ -39,6 +39,7 @@ def check_bundle(name: str, path: str, base_dir: Path, max_rank: int) -> dict:
                 f"adapter {name!r} was exported for another base model: {key} is {manifest['base'].get(key)} "
                 f"in the bundle, {base.get(key)} in {base_dir}"
             )
+    _check_finite(_load_tensors(Path(path) / "adapter_model.safetensors"))
     return manifest
 
 
@@ -70,6 +71,8 @@ def serve(args) -> int:
 
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    # the plugin checks bundles loaded at run time against these (see plugin.check_runtime_loads)
+    env["PREFT_SERVE_BASE"], env["PREFT_SERVE_MAX_RANK"] = str(base_dir), str(args.max_rank)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     if args.all_token:
         env["PREFT_ALL_TOKEN"] = "1"

@@ -155,9 +155,45 @@ def test_runtime_load_and_unload(server, adapters, reference):
     assert status == 200, body
     with pytest.raises(openai.NotFoundError):
         complete(server, "user7", PROMPTS[1])
-    status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "ghost", "lora_path": "/nonexistent/bundle"})
-    assert status in (400, 404), body
     assert complete(server, "user2", PROMPTS[2]) == reference[("user2", PROMPTS[2])]
+
+
+@pytest.fixture(scope="module")
+def bad_bundles(adapters, tmp_path_factory, tokenizer):
+    """Broken copies of a good bundle, one per way a bundle can be wrong."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("bad")
+    good = adapters / "user0.bundle"
+
+    def copy(name):
+        shutil.copytree(good, root / name)
+        return root / name
+
+    (copy("corrupt") / "adapter_model.safetensors").write_bytes(b"garbage")
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    key = sorted(tensors)[0]
+    save_file({**tensors, key: torch.full_like(tensors[key], float("nan"))}, str(copy("nan") / "adapter_model.safetensors"))
+    manifest = json.loads((good / "preft_manifest.json").read_text())
+    (copy("wrong_base") / "preft_manifest.json").write_text(json.dumps({**manifest, "base": {**manifest["base"], "hidden_size": 64}}))
+    (copy("rank_over") / "preft_manifest.json").write_text(json.dumps({**manifest, "rank": 32}))
+    return {"missing": (root / "nope", "bundle directory not found"), "corrupt": (root / "corrupt", "corrupt"),
+            "nan": (root / "nan", "NaN"), "wrong_base": (root / "wrong_base", "another base model"),
+            "rank_over": (root / "rank_over", "over --max-rank 8")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("problem", ["missing", "corrupt", "nan", "wrong_base", "rank_over"])
+def test_bad_bundle_load_is_400_with_the_reason(server, bad_bundles, reference, problem):
+    path, reason = bad_bundles[problem]
+    status, body = post(server, "/v1/load_lora_adapter", {"lora_name": f"bad_{problem}", "lora_path": str(path)})
+    assert status == 400 and reason in body, body
+    with pytest.raises(openai.NotFoundError):
+        complete(server, f"bad_{problem}", PROMPTS[0])
+    assert complete(server, "user3", PROMPTS[3]) == reference[("user3", PROMPTS[3])]
 
 
 @pytest.mark.slow
@@ -180,3 +216,19 @@ def test_200_concurrent_requests_over_the_adapters(server, adapters, reference):
     answers = asyncio.run(run_all())
     wrong = [(m, p, a) for (m, p), a in zip(jobs, answers) if a != reference[(m, p)]]
     assert not wrong, wrong[:3]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--adapter", "alice=/nonexistent/bundle"], "bundle directory not found"),
+        (["--adapter", "alice"], "not of the form NAME=BUNDLE_DIR"),
+        (["--model", "/nonexistent/base"], "base model not found"),
+    ],
+)
+def test_serve_refuses_bad_start_up_input_in_one_line(capsys, argv, message):
+    from preft.cli import main as cli_main
+
+    assert cli_main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
