@@ -34,6 +34,7 @@ test: install
 # Side-by-side benchmarks; each writes docs/results/NAME.json and its section of docs/RESULTS.md.
 bench: install
 	$(BIN)/preft bench sft-step
+	$(BIN)/preft bench throughput
 
 # Rebuild the embedded default base model (about 15 minutes on 2 CPU cores).
 base-model: install

@@ -14,6 +14,7 @@ PLANNED = {
 
 BENCHMARKS = {
     "sft-step": "SFT step time, LoRA-P vs all-token LoRA (docs/RESULTS.md)",
+    "throughput": "serving output tokens/s: base, stock multi-LoRA, grouped all-token LoRA, LoRA-P",
 }
 
 RECIPES = {
@@ -71,6 +72,11 @@ def _bench(args) -> int:
         from preft.eval.bench_sft import main
 
         main(repeats=args.repeats)
+    elif args.which == "throughput":
+        from preft.eval.bench_throughput import main
+
+        main(adapter_counts=tuple(int(c) for c in args.adapters.split(",")), prompts=args.prompts,
+             output_tokens=args.output_tokens)
     return 0
 
 
@@ -114,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks; results go to docs/RESULTS.md")
     bench.add_argument("which", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
-    bench.add_argument("--repeats", type=int, default=30, help="timed steps per side (default 30)")
+    bench.add_argument("--repeats", type=int, default=30, help="sft-step: timed steps per side (default 30)")
+    bench.add_argument("--adapters", default="1,8,64,256", help="throughput: adapter counts (default 1,8,64,256)")
+    bench.add_argument("--prompts", type=int, default=128, help="throughput: requests per run (default 128)")
+    bench.add_argument("--output-tokens", type=int, default=64, help="throughput: tokens per request (default 64)")
     bench.set_defaults(run=_bench)
 
     for name, what in PLANNED.items():
