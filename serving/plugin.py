@@ -14,7 +14,11 @@ process) and only on vLLM 0.32, whose internals they were written against:
    have three (before ``adapter_start``, the adapter's span, after ``P``).
 3. The CPU punica ops -> :mod:`preft.serving.lora_ops` (grouped by slot, ``-1`` = no adapter),
    unless ``PREFT_STOCK_LORA_OPS=1`` (used to measure stock vLLM in the benchmarks).
-4. Under ``preft serve`` (``PREFT_SERVE_BASE`` set): ``/v1/load_lora_adapter`` runs the same
+4. ReFT-P (:mod:`preft.serving.reft`): ``load_model`` of the model runners also hooks the
+   decoder layers, and ``_prepare_inputs`` also builds the step's ReFT rows.
+5. Under ``preft serve``: ReFT-P adapters are routed by name (:mod:`preft.serving.reft_routing`)
+   and listed in ``/v1/models``.
+6. Under ``preft serve`` (``PREFT_SERVE_BASE`` set): ``/v1/load_lora_adapter`` runs the same
    bundle checks as start-up (manifest, kind, rank, base model, finite weights) and answers
    400 with the reason, before the engine sees the adapter.
 """
@@ -85,6 +89,39 @@ def check_runtime_loads() -> None:
 
     OpenAIServingModels._check_load_lora_adapter_request = checked
 
+    # ReFT-P adapters: routed by an ASGI middleware, listed beside the LoRA adapters
+    from vllm.entrypoints.launchers.api_server import entry
+    from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission
+
+    from preft.serving import reft_routing
+
+    reft_routing.load_start_up_adapters()
+    original_build_app = entry.build_app
+
+    @functools.wraps(original_build_app)
+    def build_app(*args, **kwargs):
+        app = original_build_app(*args, **kwargs)
+        # outermost layer of the ASGI stack (vLLM may have built the stack already)
+        build_stack = app.build_middleware_stack
+        app.build_middleware_stack = lambda: reft_routing.ReftRoutingMiddleware(build_stack())
+        if app.middleware_stack is not None:
+            app.middleware_stack = reft_routing.ReftRoutingMiddleware(app.middleware_stack)
+        return app
+
+    entry.build_app = build_app
+    original_models = OpenAIServingModels.show_available_models
+
+    @functools.wraps(original_models)
+    async def show_available_models(self):
+        model_list = await original_models(self)
+        model_list.data.extend(
+            ModelCard(id=name, root=path, parent=self.base_model_paths[0].name, permission=[ModelPermission()])
+            for name, path in reft_routing.REFT_ADAPTERS.items()
+        )
+        return model_list
+
+    OpenAIServingModels.show_available_models = show_available_models
+
 
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group."""
@@ -123,4 +160,41 @@ def register() -> None:
             setattr(punica_cpu, name, getattr(lora_ops, name))
     if os.environ.get("PREFT_SERVE_BASE"):
         check_runtime_loads()
+    patch_model_runners()
     _PATCHED = True
+
+
+def patch_model_runners() -> None:
+    """Install the ReFT-P hooks after model load and build the ReFT step after input prep."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from preft.serving import reft
+
+    runners = [GPUModelRunner]
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        runners.append(CPUModelRunner)
+    except ImportError:  # a CUDA build without the CPU runner
+        pass
+    for runner in runners:
+        if "load_model" in vars(runner):
+            original_load = vars(runner)["load_model"]
+
+            @functools.wraps(original_load)
+            def load_model(self, *args, _original=original_load, **kwargs):
+                result = _original(self, *args, **kwargs)
+                reft.install_hooks(self.get_model(), self.model_config.hf_config)
+                return result
+
+            runner.load_model = load_model
+
+    original_prepare = GPUModelRunner._prepare_inputs
+
+    @functools.wraps(original_prepare)
+    def prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        result = original_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        reft.build_step(self, num_scheduled_tokens)
+        return result
+
+    GPUModelRunner._prepare_inputs = prepare_inputs

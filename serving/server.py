@@ -2,7 +2,7 @@
 
     preft serve --model default --adapter alice=BUNDLE_A --adapter bob=BUNDLE_B [--port 8000]
 
-Each request names its adapter in ``model`` (``/v1/completions``, ``/v1/chat/completions``;
+Each request names its adapter (LoRA-P, LoRA or ReFT-P bundle) in ``model`` (``/v1/completions``, ``/v1/chat/completions``;
 ``/v1/models`` lists them). Bundles come from ``preft export``; their manifests say
 prefill-only and ``adapter_start``, which the PreFT vLLM plugin applies per token position.
 ``--all-token`` serves the same bundles on every token (the standard multi-LoRA baseline).
@@ -28,8 +28,8 @@ def check_bundle(name: str, path: str, base_dir: Path, max_rank: int) -> dict:
     if not Path(path).is_dir():
         raise ExportError(f"adapter {name!r}: bundle directory not found: {path}")
     manifest = read_manifest(path)
-    if manifest.get("kind") != "lora":
-        raise ExportError(f"adapter {name!r}: {manifest.get('kind')} bundles are not served yet (LoRA bundles only)")
+    if manifest.get("kind") not in ("lora", "reft"):
+        raise ExportError(f"adapter {name!r}: unknown bundle kind {manifest.get('kind')!r}")
     if manifest["rank"] > max_rank:
         raise ExportError(f"adapter {name!r}: rank {manifest['rank']} is over --max-rank {max_rank}")
     base = json.loads((base_dir / "config.json").read_text())
@@ -39,7 +39,8 @@ def check_bundle(name: str, path: str, base_dir: Path, max_rank: int) -> dict:
                 f"adapter {name!r} was exported for another base model: {key} is {manifest['base'].get(key)} "
                 f"in the bundle, {base.get(key)} in {base_dir}"
             )
-    _check_finite(_load_tensors(Path(path) / "adapter_model.safetensors"))
+    weights = "adapter_model.safetensors" if manifest["kind"] == "lora" else "reft_weights.safetensors"
+    _check_finite(_load_tensors(Path(path) / weights))
     return manifest
 
 
@@ -52,8 +53,8 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
     served_name = args.served_model_name or ("base" if args.model == "default" else None)
     if served_name:
         argv += ["--served-model-name", served_name]
-    if args.adapter:
-        argv += ["--lora-modules", *args.adapter]
+    if args.lora_adapters:
+        argv += ["--lora-modules", *args.lora_adapters]
     return argv + list(args.vllm_args)
 
 
@@ -63,16 +64,23 @@ def serve(args) -> int:
     base_dir = Path(preft.DEFAULT_BASE_MODEL if args.model == "default" else args.model)
     if not (base_dir / "config.json").is_file():
         raise ExportError(f"base model not found (no config.json): {base_dir}")
+    args.lora_adapters, reft_adapters = [], {}
     for spec in args.adapter:
         if "=" not in spec:
             raise ExportError(f"--adapter {spec!r} is not of the form NAME=BUNDLE_DIR")
         name, path = spec.split("=", 1)
-        check_bundle(name, path, base_dir, args.max_rank)
+        manifest = check_bundle(name, path, base_dir, args.max_rank)
+        if manifest["kind"] == "reft":
+            reft_adapters[name] = str(Path(path).resolve())
+        else:
+            args.lora_adapters.append(spec)
 
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     # the plugin checks bundles loaded at run time against these (see plugin.check_runtime_loads)
     env["PREFT_SERVE_BASE"], env["PREFT_SERVE_MAX_RANK"] = str(base_dir), str(args.max_rank)
+    env["PREFT_SERVE_REFT"] = json.dumps(reft_adapters)
+    env["PREFT_SERVE_BASE_NAME"] = args.served_model_name or ("base" if args.model == "default" else str(base_dir))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     if args.all_token:
         env["PREFT_ALL_TOKEN"] = "1"

@@ -3,7 +3,7 @@
     python tests/helpers/vllm_engine.py SPEC.json
 
 SPEC: {"model": dir, "engine": {LLM kwargs}, "max_tokens": n, "rounds": k,
-       "requests": [{"prompt": str, "adapter": name|null, "bundle": dir|null}]}
+       "requests": [{"prompt": str, "adapter": name|null, "bundle": dir|null, "reft": bool}]}
 Prints ``RESULT <json>``: per round, the generated token ids of every request. ``rounds`` > 1
 re-sends the same batch to the same engine (the later rounds hit the prefix cache).
 vLLM's CPU engine spawns processes, so the engine is built under a __main__ guard.
@@ -19,23 +19,29 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
+    from preft.serving.reft import cache_salt_for
+
     spec = json.loads(open(sys.argv[1]).read())
     engine = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
     engine.update(spec.get("engine", {}))
     llm = LLM(model=spec["model"], **engine)
     n = spec["max_tokens"]
-    params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
     ids = {}
-    lora_requests = []
+    lora_requests, params, prompts = [], [], []
     for request in spec["requests"]:
-        if request.get("adapter"):
+        reft = request.get("reft")
+        extra = {"preft_reft": request["bundle"]} if reft else None
+        params.append(SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, extra_args=extra))
+        # a ReFT-P request's KV differs from the base model's: salt its prefix-cache keys
+        prompts.append({"prompt": request["prompt"], "cache_salt": cache_salt_for(request["bundle"])} if reft
+                       else request["prompt"])
+        if request.get("adapter") and not reft:
             ids.setdefault(request["adapter"], len(ids) + 1)
             lora_requests.append(LoRARequest(request["adapter"], ids[request["adapter"]], request["bundle"]))
         else:
             lora_requests.append(None)
     rounds = []
     for _ in range(spec.get("rounds", 1)):
-        outputs = llm.generate([r["prompt"] for r in spec["requests"]], params, lora_request=lora_requests,
-                               use_tqdm=False)
+        outputs = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in outputs])
     print("RESULT " + json.dumps(rounds), flush=True)

@@ -23,6 +23,7 @@ from preft.export import export_adapter
 
 NEW_TOKENS = 6
 ADAPTERS = [f"user{i}" for i in range(8)]
+REFT_ADAPTERS = ["reft0", "reft1"]  # reft1 is loaded at run time
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 =", "the quiet", "sort 8 2 1 9 =", "a=7 b=2 ; b ="]
 
 
@@ -41,6 +42,17 @@ def adapters(tmp_path_factory, base_path):
                                        init_lora_weights=False, adapter_start=index % 3)
         get_peft_model(load_base(base_path), config).save_pretrained(root / name)
         export_adapter(root / name, base_path, root / f"{name}.bundle")
+    for index, name in enumerate(REFT_ADAPTERS):
+        torch.manual_seed(2000 + index)
+        config = preft.PreftReftConfig(rank=4, layers=[0, 2, 3], intervention=("loreft", "direft")[index],
+                                       init_weights=False, adapter_start=index)
+        model = get_peft_model(load_base(base_path), config)
+        with torch.no_grad():  # random ReFT inits are mild; make the edit visible in greedy tokens
+            for pname, param in model.named_parameters():
+                if "reft_source" in pname:
+                    param.mul_(4.0)
+        model.save_pretrained(root / name)
+        export_adapter(root / name, base_path, root / f"{name}.bundle")
     return root
 
 
@@ -49,7 +61,7 @@ def reference(adapters, base_path, tokenizer):
     """HF greedy text per (adapter, prompt); adapter None = the base model."""
     texts = {}
     with torch.no_grad():
-        for name in [None, *ADAPTERS]:
+        for name in [None, *ADAPTERS, *REFT_ADAPTERS]:
             model = load_base(base_path)
             if name:
                 model = PeftModel.from_pretrained(model, adapters / name).eval()
@@ -67,7 +79,7 @@ def server(adapters, tmp_path_factory):
     # user7 is not given at start: the tests load it at run time
     args = [sys.executable, "-m", "preft.cli", "serve", "--port", str(port), "--max-adapters", "4",
             "--max-model-len", "128", "--max-rank", "8", "--dtype", "float32"]
-    for name in ADAPTERS[:-1]:
+    for name in [*ADAPTERS[:-1], "reft0"]:
         args += ["--adapter", f"{name}={adapters / (name + '.bundle')}"]
     handle = open(log, "w")
     proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -94,7 +106,7 @@ def server(adapters, tmp_path_factory):
 
 
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def complete(server, model: str, prompt: str, **kwargs) -> str:
@@ -116,7 +128,7 @@ def post(server, path: str, body: dict) -> tuple[int, str]:
 @pytest.mark.slow
 def test_models_lists_the_adapters_and_server_binds_loopback(server):
     ids = {m.id for m in client(server).models.list().data}
-    assert {"base", *ADAPTERS[:-1]} <= ids
+    assert {"base", *ADAPTERS[:-1], "reft0"} <= ids
     assert server["url"].startswith("http://127.0.0.1:")
 
 
@@ -125,6 +137,27 @@ def test_completions_equal_hf_reference(server, reference):
     for name in [None, "user0", "user1", "user2"]:
         for prompt in PROMPTS:
             assert complete(server, name or "base", prompt) == reference[(name, prompt)], (name, prompt)
+
+
+@pytest.mark.slow
+def test_reft_p_adapters_by_name_equal_hf_reference(server, adapters, reference):
+    for prompt in PROMPTS:
+        assert complete(server, "reft0", prompt) == reference[("reft0", prompt)], prompt
+    status, body = post(server, "/v1/load_lora_adapter",
+                        {"lora_name": "reft1", "lora_path": str(adapters / "reft1.bundle")})
+    assert status == 200, body
+    assert "reft1" in {m.id for m in client(server).models.list().data}
+    for prompt in PROMPTS:
+        assert complete(server, "reft1", prompt) == reference[("reft1", prompt)], prompt
+    # the same prompt for the base model afterwards: no ReFT KV leaks through the prefix cache
+    assert complete(server, "base", PROMPTS[0]) == reference[(None, PROMPTS[0])]
+    status, body = post(server, "/v1/completions", {"model": "base", "prompt": "x", "max_tokens": 2,
+                                                    "vllm_xargs": {"preft_reft": "/etc"}})
+    assert status == 400 and "reserved" in body
+    status, body = post(server, "/v1/unload_lora_adapter", {"lora_name": "reft1"})
+    assert status == 200, body
+    with pytest.raises(openai.NotFoundError):
+        complete(server, "reft1", PROMPTS[0])
 
 
 @pytest.mark.slow
@@ -197,9 +230,10 @@ def test_bad_bundle_load_is_400_with_the_reason(server, bad_bundles, reference, 
 
 
 @pytest.mark.slow
-def test_200_concurrent_requests_over_the_adapters(server, adapters, reference):
+def test_200_concurrent_requests_over_the_adapters_and_a_reft_adapter(server, adapters, reference):
     post(server, "/v1/load_lora_adapter", {"lora_name": "user7", "lora_path": str(adapters / "user7.bundle")})
-    jobs = [(ADAPTERS[i % 8], PROMPTS[i % len(PROMPTS)]) for i in range(200)]
+    names = [*ADAPTERS, "reft0"]
+    jobs = [(names[i % len(names)], PROMPTS[i % len(PROMPTS)]) for i in range(200)]
     async_client = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=300)
 
     async def one(model, prompt):
