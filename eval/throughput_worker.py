@@ -19,17 +19,24 @@ if __name__ == "__main__":
 
     spec = json.loads(open(sys.argv[1]).read())
     llm = LLM(model=spec["model"], seed=0, enforce_eager=True, **spec["engine"])
-    params = SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"], ignore_eos=True)
+    from preft.serving.reft import EXTRA_ARG, cache_salt_for
+
     prompts = spec["prompts"]
     results = {}
     for count in spec["adapter_counts"]:
-        lora = None
-        if spec["bundles"]:
+        lora, inputs = None, prompts
+        params = SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"], ignore_eos=True)
+        if spec["bundles"] and spec.get("reft"):  # ReFT-P: the bundle travels in extra_args
+            bundles = [spec["bundles"][i % count] for i in range(len(prompts))]
+            params = [SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"], ignore_eos=True,
+                                     extra_args={EXTRA_ARG: b}) for b in bundles]
+            inputs = [{"prompt": p, "cache_salt": cache_salt_for(b)} for p, b in zip(prompts, bundles)]
+        elif spec["bundles"]:
             lora = [LoRARequest(f"a{i % count}", 1 + i % count, spec["bundles"][i % count]) for i in range(len(prompts))]
         best = 0.0
         for _ in range(spec["rounds"]):
             started = time.perf_counter()
-            outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+            outputs = llm.generate(inputs, params, lora_request=lora, use_tqdm=False)
             elapsed = time.perf_counter() - started
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             best = max(best, tokens / elapsed)

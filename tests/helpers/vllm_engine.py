@@ -44,4 +44,7 @@ if __name__ == "__main__":
     for _ in range(spec.get("rounds", 1)):
         outputs = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in outputs])
+    if spec.get("report_preemptions"):  # needs engine {"disable_log_stats": false}
+        preemptions = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        print("PREEMPTIONS " + json.dumps(preemptions), flush=True)
     print("RESULT " + json.dumps(rounds), flush=True)

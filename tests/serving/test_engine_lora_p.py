@@ -71,13 +71,15 @@ def requests_and_reference(bundles, base_path, tokenizer):
     return requests, reference
 
 
-def run_engine(base_path, tmp_path, requests, engine, rounds=1):
+def run_engine(base_path, tmp_path, requests, engine, rounds=1, new_tokens=NEW_TOKENS, stdout=None):
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"model": base_path, "engine": engine, "max_tokens": NEW_TOKENS, "rounds": rounds,
-                                "requests": requests}))
+    spec.write_text(json.dumps({"model": base_path, "engine": engine, "max_tokens": new_tokens, "rounds": rounds,
+                                "requests": requests, "report_preemptions": stdout is not None}))
     proc = subprocess.run([sys.executable, str(HELPER), str(spec)], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
     (tmp_path / "stderr.log").write_text(proc.stdout + proc.stderr)
+    if stdout is not None:
+        stdout.extend(proc.stdout.splitlines())
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, "\n".join(l for l in proc.stderr.splitlines() if "File" in l or "Error" in l)[-6000:]
     return json.loads(lines[0].removeprefix("RESULT "))
@@ -113,3 +115,31 @@ def test_without_the_plugin_the_engine_disagrees(requests_and_reference, base_pa
     tokens = run_engine(base_path, tmp_path, requests, {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8})[0]
     prefill_only = [i for i, r in enumerate(requests) if r["adapter"] in ("alice", "bob", "carol")]
     assert any(tokens[i] != reference[i] for i in prefill_only)
+
+
+@pytest.mark.slow
+def test_preemption_recompute_keeps_the_rule(bundles, base_path, tokenizer, tmp_path):
+    """A KV cache of 3 blocks (128 tokens each on CPU) for 8 requests that each grow past one
+    block: running requests are preempted and recomputed (prompt and generated tokens at once);
+    tokens still equal the HF reference."""
+    new_tokens = 120
+    names = ["alice", "carol", None, "bob"]
+    requests = [{"prompt": PROMPTS[i % len(PROMPTS)], "adapter": names[i % 4],
+                 "bundle": str(bundles[names[i % 4]][1]) if names[i % 4] else None} for i in range(8)]
+    models = {None: load_base(base_path)}
+    models.update({n: PeftModel.from_pretrained(load_base(base_path), bundles[n][0]).eval() for n in names if n})
+    reference = []
+    with torch.no_grad():
+        for request in requests:
+            batch = tokenizer([request["prompt"]], return_tensors="pt")
+            out = models[request["adapter"]].generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                      do_sample=False)
+            reference.append(out[0, batch["input_ids"].shape[1]:].tolist())
+    stdout: list[str] = []
+    engine = {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "num_gpu_blocks_override": 3,
+              "max_model_len": 256, "disable_log_stats": False}
+    tokens = run_engine(base_path, tmp_path, requests, engine, new_tokens=new_tokens, stdout=stdout)[0]
+    preemptions = [json.loads(line.split(" ", 1)[1]) for line in stdout if line.startswith("PREEMPTIONS ")]
+    assert preemptions and preemptions[0] > 0, "the engine was expected to preempt"
+    mismatches = [(r["prompt"], r["adapter"]) for r, got, want in zip(requests, tokens, reference) if got != want]
+    assert not mismatches, mismatches
