@@ -125,7 +125,7 @@ def main(steps: int = 300, output_dir: str = "runs/demo") -> dict[str, float]:
         lambda *_: active.append(int(tracker.current.active_mask(0).sum()))
     )
     single = tokenizer([held_out[0]["prompt"]], return_tensors="pt")
-    generated = lora_p.generate(**single, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    lora_p.generate(**single, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     hook.remove()
     prompt_tokens = single["input_ids"].shape[1]
     console.print(f"  prompt {held_out[0]['prompt']!r}: {prompt_tokens} prompt tokens, 8 generated")

@@ -39,6 +39,15 @@ def load_base(path: str, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+def strengthen_reft(model):
+    """Random ReFT inits are mild; scale the source weights so the edit shows in greedy tokens."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "reft_source" in name:
+                param.mul_(4.0)
+    return model
+
+
 @pytest.fixture
 def make_peft_model(base_path):
     """Build a fresh PEFT model on the default base; weights depend only on ``seed``."""
@@ -46,12 +55,7 @@ def make_peft_model(base_path):
     def build(config, seed: int = 0, dtype=torch.float32):
         base = load_base(base_path, dtype)
         torch.manual_seed(seed)
-        model = get_peft_model(base, config)
-        with torch.no_grad():  # random ReFT inits are mild; make the edit visible in greedy tokens
-            for name, param in model.named_parameters():
-                if "reft_source" in name:
-                    param.mul_(4.0)
-        return model.to(dtype).eval()
+        return strengthen_reft(get_peft_model(base, config)).to(dtype).eval()
 
     return build
 

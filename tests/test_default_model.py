@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-import preft
 from conftest import PROMPTS, load_base
 
 HELPERS = Path(__file__).parent / "helpers"

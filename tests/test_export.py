@@ -9,7 +9,6 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
-import preft
 from conftest import ADAPTER_CONFIGS, load_base
 from preft.cli import main as cli_main
 from preft.export import ExportError, export_adapter, read_manifest

@@ -12,7 +12,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 import preft
-from conftest import load_base
+from conftest import load_base, strengthen_reft
 from preft.export import export_adapter
 from test_engine_lora_p import NEW_TOKENS, PROMPTS, run_engine
 
@@ -31,11 +31,7 @@ def setup(tmp_path_factory, base_path, tokenizer):
     models = {None: load_base(base_path)}
     for seed, (name, (make_config, _)) in enumerate(ADAPTERS.items()):
         torch.manual_seed(200 + seed)
-        model = get_peft_model(load_base(base_path), make_config())
-        with torch.no_grad():  # random ReFT inits are mild; make the edit visible in greedy tokens
-            for pname, param in model.named_parameters():
-                if "reft_source" in pname:
-                    param.mul_(4.0)
+        model = strengthen_reft(get_peft_model(load_base(base_path), make_config()))
         model.save_pretrained(root / name)
         export_adapter(root / name, base_path, root / f"{name}.bundle")
         models[name] = PeftModel.from_pretrained(load_base(base_path), root / name).eval()

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -18,7 +17,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 import preft
-from conftest import load_base
+from conftest import load_base, strengthen_reft
 from preft.export import export_adapter
 
 NEW_TOKENS = 6
@@ -46,11 +45,7 @@ def adapters(tmp_path_factory, base_path):
         torch.manual_seed(2000 + index)
         config = preft.PreftReftConfig(rank=4, layers=[0, 2, 3], intervention=("loreft", "direft")[index],
                                        init_weights=False, adapter_start=index)
-        model = get_peft_model(load_base(base_path), config)
-        with torch.no_grad():  # random ReFT inits are mild; make the edit visible in greedy tokens
-            for pname, param in model.named_parameters():
-                if "reft_source" in pname:
-                    param.mul_(4.0)
+        model = strengthen_reft(get_peft_model(load_base(base_path), config))
         model.save_pretrained(root / name)
         export_adapter(root / name, base_path, root / f"{name}.bundle")
     return root
@@ -197,8 +192,6 @@ def bad_bundles(adapters, tmp_path_factory, tokenizer):
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     root = tmp_path_factory.mktemp("bad")
     good = adapters / "user0.bundle"
 
