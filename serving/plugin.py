@@ -14,11 +14,17 @@ process) and only on vLLM 0.32, whose internals they were written against:
    have three (before ``adapter_start``, the adapter's span, after ``P``).
 3. The CPU punica ops -> :mod:`preft.serving.lora_ops` (grouped by slot, ``-1`` = no adapter),
    unless ``PREFT_STOCK_LORA_OPS=1`` (used to measure stock vLLM in the benchmarks).
-4. ReFT-P (:mod:`preft.serving.reft`): ``load_model`` of the model runners also hooks the
+4. ``Scheduler.schedule``: a running prefill-only request whose prompt is fully computed is
+   decoding with the base model, so it does not count against ``max_loras`` when vLLM admits
+   new requests: ``--max-adapters`` bounds concurrent *prefills*, not concurrent requests.
+   (Its ``lora_request`` is hidden for the duration of ``schedule()`` and put back after.)
+   ``PREFT_TRACE_SCHEDULER=FILE`` appends, per step, how many running requests and distinct
+   adapters there are (used by the tests).
+5. ReFT-P (:mod:`preft.serving.reft`): ``load_model`` of the model runners also hooks the
    decoder layers, and ``_prepare_inputs`` also builds the step's ReFT rows.
-5. Under ``preft serve``: ReFT-P adapters are routed by name (:mod:`preft.serving.reft_routing`)
+6. Under ``preft serve``: ReFT-P adapters are routed by name (:mod:`preft.serving.reft_routing`)
    and listed in ``/v1/models``.
-6. Under ``preft serve`` (``PREFT_SERVE_BASE`` set): ``/v1/load_lora_adapter`` runs the same
+7. Under ``preft serve`` (``PREFT_SERVE_BASE`` set): ``/v1/load_lora_adapter`` runs the same
    bundle checks as start-up (manifest, kind, rank, base model, finite weights) and answers
    400 with the reason, before the engine sees the adapter.
 """
@@ -161,7 +167,43 @@ def register() -> None:
     if os.environ.get("PREFT_SERVE_BASE"):
         check_runtime_loads()
     patch_model_runners()
+    patch_scheduler()
     _PATCHED = True
+
+
+def _decoding_prefill_only(request) -> bool:
+    lora = request.lora_request
+    if lora is None or request.num_computed_tokens < request.num_prompt_tokens:
+        return False
+    return adapter_rule(lora.lora_path).prefill_only
+
+
+def patch_scheduler() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.schedule
+
+    @functools.wraps(original)
+    def schedule(self, *args, **kwargs):
+        hidden = []
+        if self.lora_config:
+            for request in self.running:
+                if _decoding_prefill_only(request):
+                    hidden.append((request, request.lora_request))
+                    request.lora_request = None
+        try:
+            output = original(self, *args, **kwargs)
+        finally:
+            for request, lora_request in hidden:
+                request.lora_request = lora_request
+        trace = os.environ.get("PREFT_TRACE_SCHEDULER")
+        if trace and self.running:
+            adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+            with open(trace, "a") as handle:
+                handle.write(f"{len(self.running)} {len(adapters)}\n")
+        return output
+
+    Scheduler.schedule = schedule
 
 
 def patch_model_runners() -> None:

@@ -143,3 +143,29 @@ def test_preemption_recompute_keeps_the_rule(bundles, base_path, tokenizer, tmp_
     assert preemptions and preemptions[0] > 0, "the engine was expected to preempt"
     mismatches = [(r["prompt"], r["adapter"]) for r, got, want in zip(requests, tokens, reference) if got != want]
     assert not mismatches, mismatches
+
+
+@pytest.mark.slow
+def test_decoding_requests_hold_no_adapter_slot(bundles, base_path, tokenizer, tmp_path, monkeypatch):
+    """With one adapter slot, stock vLLM runs one adapter's requests at a time; with PreFT a
+    request that finished its prompt decodes on the base model and frees the slot, so several
+    adapters' requests run at once, and every answer still equals the HF reference."""
+    new_tokens = 40
+    names = ["alice", "bob", "carol"]
+    requests = [{"prompt": PROMPTS[i % len(PROMPTS)], "adapter": names[i % 3], "bundle": str(bundles[names[i % 3]][1])}
+                for i in range(6)]
+    reference = []
+    with torch.no_grad():
+        models = {n: PeftModel.from_pretrained(load_base(base_path), bundles[n][0]).eval() for n in names}
+        for request in requests:
+            batch = tokenizer([request["prompt"]], return_tensors="pt")
+            out = models[request["adapter"]].generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                      do_sample=False)
+            reference.append(out[0, batch["input_ids"].shape[1]:].tolist())
+    trace = tmp_path / "scheduler.trace"
+    monkeypatch.setenv("PREFT_TRACE_SCHEDULER", str(trace))
+    engine = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+    tokens = run_engine(base_path, tmp_path, requests, engine, new_tokens=new_tokens)[0]
+    assert tokens == reference
+    adapters_running = [int(line.split()[1]) for line in trace.read_text().splitlines()]
+    assert max(adapters_running) > 1, "decoding requests should not hold the single adapter slot"
