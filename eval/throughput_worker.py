@@ -19,7 +19,7 @@ if __name__ == "__main__":
 
     spec = json.loads(open(sys.argv[1]).read())
     llm = LLM(model=spec["model"], seed=0, enforce_eager=True, **spec["engine"])
-    from preft.serving.reft import EXTRA_ARG, cache_salt_for
+    from preft.serving.reft import EXTRA_ARG
 
     prompts = spec["prompts"]
     results = {}
@@ -30,7 +30,7 @@ if __name__ == "__main__":
             bundles = [spec["bundles"][i % count] for i in range(len(prompts))]
             params = [SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"], ignore_eos=True,
                                      extra_args={EXTRA_ARG: b}) for b in bundles]
-            inputs = [{"prompt": p, "cache_salt": cache_salt_for(b)} for p, b in zip(prompts, bundles)]
+            inputs = prompts  # ReFT-P blocks are keyed by the plugin
         elif spec["bundles"]:
             lora = [LoRARequest(f"a{i % count}", 1 + i % count, spec["bundles"][i % count]) for i in range(len(prompts))]
         best = 0.0

@@ -22,6 +22,10 @@ process) and only on vLLM 0.32, whose internals they were written against:
    adapters there are (used by the tests).
 5. ReFT-P (:mod:`preft.serving.reft`): ``load_model`` of the model runners also hooks the
    decoder layers, and ``_prepare_inputs`` also builds the step's ReFT rows.
+   Prefix-cache keys (``generate_block_hash_extra_keys``): a block that lies wholly before a
+   prefill-only adapter's ``adapter_start`` holds base-model KV, so its key drops the LoRA and
+   it is shared with the base model and every other adapter; a ReFT-P request's blocks past
+   its start get a ``("preft_reft", bundle)`` key (instead of a salt on the whole prompt).
 6. Under ``preft serve``: ReFT-P adapters are routed by name (:mod:`preft.serving.reft_routing`)
    and listed in ``/v1/models``.
 7. Under ``preft serve`` (``PREFT_SERVE_BASE`` set): ``/v1/load_lora_adapter`` runs the same
@@ -168,7 +172,34 @@ def register() -> None:
         check_runtime_loads()
     patch_model_runners()
     patch_scheduler()
+    patch_block_keys()
     _PATCHED = True
+
+
+def patch_block_keys() -> None:
+    from vllm.v1.core import block_pool, kv_cache_utils
+
+    from preft.serving.reft import EXTRA_ARG, reft_adapter_start
+
+    original = kv_cache_utils.generate_block_hash_extra_keys
+
+    @functools.wraps(original)
+    def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
+        keys, next_mm_idx = original(request, start_token_idx, end_token_idx, start_mm_idx)
+        keys = list(keys or ())
+        lora = request.lora_request
+        if lora is not None:
+            rule = adapter_rule(lora.lora_path)
+            if rule.prefill_only and end_token_idx <= rule.adapter_start:  # base-model KV
+                keys = [key for key in keys if not (isinstance(key, tuple) and key[:1] == ("lora",))]
+        params = getattr(request, "sampling_params", None)
+        bundle = (params.extra_args or {}).get(EXTRA_ARG) if params is not None else None
+        if bundle and end_token_idx > reft_adapter_start(bundle):
+            keys.append((EXTRA_ARG, bundle))
+        return (tuple(keys) if keys else None), next_mm_idx
+
+    kv_cache_utils.generate_block_hash_extra_keys = generate_block_hash_extra_keys
+    block_pool.generate_block_hash_extra_keys = generate_block_hash_extra_keys
 
 
 def _decoding_prefill_only(request) -> bool:

@@ -13,12 +13,16 @@ A request uses a ReFT-P bundle through ``SamplingParams.extra_args = {"preft_ref
    loop over adapters in the hot path. Bundles of other ranks are zero-padded; a bundle that
    does not edit a layer has zero weights there.
 
+Prefix caching: the plugin keys a ReFT-P request's KV blocks past its ``adapter_start`` by the
+bundle (blocks before it are base-model KV and shared), so no cache salt is needed.
+
 The step context is a module global, set and read in the same worker process (nano-vllm's
 explicit context object).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,11 +35,11 @@ from preft.export import read_manifest
 EXTRA_ARG = "preft_reft"
 
 
-def cache_salt_for(bundle: str) -> str:
-    """Prefix-cache salt of a ReFT-P bundle (vLLM allows no '/' in salts, so a digest)."""
-    import hashlib
-
-    return "preft-reft-" + hashlib.sha256(str(bundle).encode()).hexdigest()[:32]
+@functools.lru_cache(maxsize=4096)
+def reft_adapter_start(bundle: str) -> int:
+    """First position a ReFT-P bundle edits (0 for an all-token bundle)."""
+    manifest = read_manifest(bundle)
+    return int(manifest["adapter_start"]) if manifest["prefill_only"] else 0
 
 
 @dataclass

@@ -2,9 +2,8 @@
 
 vLLM's server knows base models and LoRA adapters only. An ASGI middleware in front of it
 turns a request for ReFT-P adapter ``NAME`` into a request for the base model with
-``vllm_xargs = {"preft_reft": BUNDLE}`` (read by the engine hooks, :mod:`preft.serving.reft`)
-and a ``cache_salt`` (ReFT-P changes the prompt's KV, so its prefix-cache blocks must not be
-shared with the base model's). ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with
+``vllm_xargs = {"preft_reft": BUNDLE}``, read by the engine hooks (:mod:`preft.serving.reft`)
+and by the plugin's prefix-cache keys (blocks past ``adapter_start`` are keyed by the bundle). ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with
 a ReFT-P bundle register and drop names here; ``/v1/models`` lists them.
 
 Active only under ``preft serve`` (which sets ``PREFT_SERVE_*``), in the API server process.
@@ -17,7 +16,6 @@ import os
 from pathlib import Path
 
 from preft.export import ExportError, read_manifest
-from preft.serving.reft import cache_salt_for
 
 #: ReFT-P adapter name -> bundle directory, in the API server process
 REFT_ADAPTERS: dict[str, str] = {}
@@ -82,7 +80,6 @@ class ReftRoutingMiddleware:
                 bundle = REFT_ADAPTERS[data["model"]]
                 data["model"] = os.environ.get("PREFT_SERVE_BASE_NAME", data["model"])
                 data["vllm_xargs"] = {**(data.get("vllm_xargs") or {}), "preft_reft": bundle}
-                data["cache_salt"] = cache_salt_for(bundle)
                 body = json.dumps(data).encode()
             elif path == "/v1/load_lora_adapter" and is_reft_bundle(str(data.get("lora_path", ""))):
                 return await self._load(send, data)

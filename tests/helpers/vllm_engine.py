@@ -2,7 +2,7 @@
 
     python tests/helpers/vllm_engine.py SPEC.json
 
-SPEC: {"model": dir, "engine": {LLM kwargs}, "max_tokens": n, "rounds": k,
+SPEC: {"model": dir, "engine": {LLM kwargs}, "max_tokens": n, "rounds": k, "sequential": bool,
        "requests": [{"prompt": str, "adapter": name|null, "bundle": dir|null, "reft": bool}]}
 Prints ``RESULT <json>``: per round, the generated token ids of every request. ``rounds`` > 1
 re-sends the same batch to the same engine (the later rounds hit the prefix cache).
@@ -19,8 +19,6 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from preft.serving.reft import cache_salt_for
-
     spec = json.loads(open(sys.argv[1]).read())
     engine = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
     engine.update(spec.get("engine", {}))
@@ -32,9 +30,7 @@ if __name__ == "__main__":
         reft = request.get("reft")
         extra = {"preft_reft": request["bundle"]} if reft else None
         params.append(SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, extra_args=extra))
-        # a ReFT-P request's KV differs from the base model's: salt its prefix-cache keys
-        prompts.append({"prompt": request["prompt"], "cache_salt": cache_salt_for(request["bundle"])} if reft
-                       else request["prompt"])
+        prompts.append(request["prompt"])  # ReFT-P blocks are keyed by the plugin, no salt needed
         if request.get("adapter") and not reft:
             ids.setdefault(request["adapter"], len(ids) + 1)
             lora_requests.append(LoRARequest(request["adapter"], ids[request["adapter"]], request["bundle"]))
@@ -42,9 +38,14 @@ if __name__ == "__main__":
             lora_requests.append(None)
     rounds = []
     for _ in range(spec.get("rounds", 1)):
-        outputs = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
+        if spec.get("sequential"):  # one request at a time, in order (for prefix-cache tests)
+            outputs = [llm.generate([p], q, lora_request=[r], use_tqdm=False)[0]
+                       for p, q, r in zip(prompts, params, lora_requests)]
+        else:
+            outputs = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in outputs])
     if spec.get("report_preemptions"):  # needs engine {"disable_log_stats": false}
-        preemptions = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-        print("PREEMPTIONS " + json.dumps(preemptions), flush=True)
+        metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        print("PREEMPTIONS " + json.dumps(metrics.get("vllm:num_preemptions", 0)), flush=True)
+        print("PREFIX_HITS " + json.dumps(metrics.get("vllm:prefix_cache_hits", 0)), flush=True)
     print("RESULT " + json.dumps(rounds), flush=True)

@@ -19,7 +19,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import preft
-from conftest import load_base
+from conftest import load_base, strengthen_reft
 from preft.export import export_adapter
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "vllm_engine.py"
@@ -71,10 +71,12 @@ def requests_and_reference(bundles, base_path, tokenizer):
     return requests, reference
 
 
-def run_engine(base_path, tmp_path, requests, engine, rounds=1, new_tokens=NEW_TOKENS, stdout=None):
+def run_engine(base_path, tmp_path, requests, engine, rounds=1, new_tokens=NEW_TOKENS, stdout=None,
+               sequential=False):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"model": base_path, "engine": engine, "max_tokens": new_tokens, "rounds": rounds,
-                                "requests": requests, "report_preemptions": stdout is not None}))
+                                "requests": requests, "report_preemptions": stdout is not None,
+                                "sequential": sequential}))
     proc = subprocess.run([sys.executable, str(HELPER), str(spec)], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
     (tmp_path / "stderr.log").write_text(proc.stdout + proc.stderr)
@@ -169,3 +171,46 @@ def test_decoding_requests_hold_no_adapter_slot(bundles, base_path, tokenizer, t
     assert tokens == reference
     adapters_running = [int(line.split()[1]) for line in trace.read_text().splitlines()]
     assert max(adapters_running) > 1, "decoding requests should not hold the single adapter slot"
+
+
+@pytest.mark.slow
+def test_blocks_before_adapter_start_are_shared(base_path, tokenizer, tmp_path):
+    """A 200-token prompt: its first KV block (128 tokens on CPU) lies wholly before
+    adapter_start=128, so it is base-model KV, shared by the base model, LoRA-P and ReFT-P
+    requests that start there; adapters starting at 0 get their own keyed blocks. Sequential
+    requests, so every hit is counted: expect 4 block hits, and every answer equal to HF."""
+    from preft.data import pretraining_corpus
+
+    text = " ".join(pretraining_corpus(60, seed=11))
+    prompt = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:200])
+    configs = {
+        "lora_late": preft.PreftLoraConfig(r=8, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False,
+                                           adapter_start=128),
+        "lora_early": preft.PreftLoraConfig(r=8, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False),
+        "reft_late": preft.PreftReftConfig(rank=4, init_weights=False, adapter_start=128),
+        "reft_early": preft.PreftReftConfig(rank=4, init_weights=False),
+    }
+    models, bundle = {None: load_base(base_path)}, {}
+    for seed, (name, config) in enumerate(configs.items()):
+        torch.manual_seed(300 + seed)
+        strengthen_reft(get_peft_model(load_base(base_path), config)).save_pretrained(tmp_path / name)
+        export_adapter(tmp_path / name, base_path, tmp_path / f"{name}.bundle")
+        bundle[name] = str(tmp_path / f"{name}.bundle")
+        models[name] = PeftModel.from_pretrained(load_base(base_path), tmp_path / name).eval()
+    order = [None, "lora_late", "lora_early", "lora_early", "reft_late", "reft_early", None]
+    requests = [{"prompt": prompt, "adapter": n, "bundle": bundle.get(n), "reft": bool(n) and n.startswith("reft")}
+                for n in order]
+    reference = {}
+    with torch.no_grad():
+        batch = tokenizer([prompt], return_tensors="pt")
+        for name, model in models.items():
+            out = model.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            reference[name] = out[0, batch["input_ids"].shape[1]:].tolist()
+    stdout: list[str] = []
+    engine = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_model_len": 512,
+              "disable_log_stats": False}
+    tokens = run_engine(base_path, tmp_path, requests, engine, stdout=stdout, sequential=True)[0]
+    assert [t == reference[r["adapter"]] for r, t in zip(requests, tokens)] == [True] * len(order)
+    hits = [json.loads(line.split(" ", 1)[1]) for line in stdout if line.startswith("PREFIX_HITS ")][0]
+    # hits: lora_late (base block), the second lora_early, reft_late (base block), the last base
+    assert hits == 4 * 128
