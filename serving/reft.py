@@ -46,6 +46,7 @@ def reft_adapter_start(bundle: str) -> int:
 class ReftStep:
     rows: torch.Tensor   # [n] indices into the step's flattened tokens
     slots: torch.Tensor  # [n] ReftBank slot of each row
+    single_slot: int | None = None  # set when every row uses one bundle: plain matmuls, no gather
 
 
 STEP: ReftStep | None = None
@@ -94,6 +95,12 @@ class ReftBank:
         """``hidden`` with the ReFT edit of ``step``'s rows added (``hidden + residual`` is the stream)."""
         rows, slots = step.rows, step.slots
         h = (hidden.index_select(0, rows) + residual.index_select(0, rows)).float()   # [n, d]
+        if step.single_slot is not None:
+            slot = step.single_slot
+            proj = self.proj[layer, slot]                                              # [r, d]
+            edit = h @ self.source_weight[layer, slot].t() + self.source_bias[layer, slot]
+            edit = edit - self.rh_sign[slot] * (h @ proj.t())
+            return hidden.index_add(0, rows, (edit @ proj).to(hidden.dtype))
         proj = self.proj[layer].index_select(0, slots)                                 # [n, r, d]
         source = torch.bmm(self.source_weight[layer].index_select(0, slots), h[:, :, None]).squeeze(-1)
         source = source + self.source_bias[layer].index_select(0, slots)               # W h + b
@@ -134,7 +141,8 @@ def build_step(runner, num_scheduled_tokens: np.ndarray) -> None:
         offset += count
     if rows:
         device = BANK.device
-        STEP = ReftStep(torch.tensor(rows, device=device), torch.tensor(slots, device=device))
+        single = slots[0] if len(set(slots)) == 1 else None
+        STEP = ReftStep(torch.tensor(rows, device=device), torch.tensor(slots, device=device), single)
 
 
 def install_hooks(model: nn.Module, config) -> None:
