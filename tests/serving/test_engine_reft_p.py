@@ -1,6 +1,6 @@
 """ReFT-P in the real vLLM engine equals the HF reference token for token (float32).
 
-One batch mixes a LoReFT-P bundle, a DiReFT-P bundle with adapter_start=2, a LoRA-P bundle
+One batch mixes a LoReFT-P bundle, a DiReFT-P bundle with adapter_start=2, three LoRA-P bundles
 and the bare base model; with default scheduling (twice: the second round hits the prefix
 cache for the unsalted requests) and with chunked prefill forced by an 8-token step budget.
 """
@@ -22,6 +22,9 @@ ADAPTERS = {
                                          adapter_start=2), True),
     "lora": (lambda: preft.PreftLoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"],
                                            init_lora_weights=False), False),
+    "lora2": (lambda: preft.PreftLoraConfig(r=4, lora_alpha=32, target_modules=["o_proj", "down_proj"],
+                                            init_lora_weights=False, adapter_start=1), False),
+    "lora3": (lambda: preft.PreftLoraConfig(r=8, lora_alpha=16, init_lora_weights=False), False),
 }
 
 
@@ -55,7 +58,7 @@ def setup(tmp_path_factory, base_path, tokenizer):
 @pytest.mark.parametrize(
     "engine, rounds",
     [
-        ({"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}, 2),
+        ({"enable_lora": True, "max_loras": 3, "max_lora_rank": 8}, 2),
         ({"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_num_batched_tokens": 8,
           "max_num_seqs": 4}, 1),
     ],

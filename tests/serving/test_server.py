@@ -125,6 +125,8 @@ def test_models_lists_the_adapters_and_server_binds_loopback(server):
     ids = {m.id for m in client(server).models.list().data}
     assert {"base", *ADAPTERS[:-1], "reft0"} <= ids
     assert server["url"].startswith("http://127.0.0.1:")
+    with urllib.request.urlopen(server["url"] + "/metrics", timeout=10) as response:
+        assert response.status == 200 and b"vllm:" in response.read()
 
 
 @pytest.mark.slow
