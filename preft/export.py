@@ -53,7 +53,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         raise ExportError(f"{what} is not valid JSON: {path} ({err})") from None
 
 
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise ExportError(f"adapter weights not found: {path}")
     try:
@@ -86,7 +86,7 @@ def base_fingerprint(base_dir: Path) -> dict[str, Any]:
     }
 
 
-def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
     bad = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
     if bad:
         raise ExportError(f"adapter weights contain NaN or infinite values: {bad[:3]}{' ...' if len(bad) > 3 else ''}")
@@ -166,8 +166,8 @@ def export_adapter(adapter_dir: str | Path, base_dir: str | Path, output_dir: st
     if peft_type not in (PREFT_LORA, PREFT_REFT, "LORA"):
         raise ExportError(f"adapter peft_type {peft_type!r} is not servable (PREFT_LORA, PREFT_REFT or LORA)")
     base = base_fingerprint(base_dir)
-    tensors = _load_tensors(adapter_dir / "adapter_model.safetensors")
-    _check_finite(tensors)
+    tensors = load_tensors(adapter_dir / "adapter_model.safetensors")
+    check_finite(tensors)
 
     manifest: dict[str, Any] = {
         "format": BUNDLE_FORMAT,

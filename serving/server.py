@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from preft.export import ExportError, _check_finite, _load_tensors, read_manifest
+from preft.export import ExportError, check_finite, load_tensors, read_manifest
 
 
 def check_bundle(name: str, path: str, base_dir: Path, max_rank: int) -> dict:
@@ -40,7 +40,7 @@ def check_bundle(name: str, path: str, base_dir: Path, max_rank: int) -> dict:
                 f"in the bundle, {base.get(key)} in {base_dir}"
             )
     weights = "adapter_model.safetensors" if manifest["kind"] == "lora" else "reft_weights.safetensors"
-    _check_finite(_load_tensors(Path(path) / weights))
+    check_finite(load_tensors(Path(path) / weights))
     return manifest
 
 

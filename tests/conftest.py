@@ -39,6 +39,14 @@ def load_base(path: str, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+@torch.no_grad()
+def hf_greedy(model, tokenizer, prompt: str, new_tokens: int) -> list[int]:
+    """The HF reference: ``new_tokens`` greedy tokens (EOS never picked) for one prompt."""
+    batch = tokenizer([prompt], return_tensors="pt")
+    out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, batch["input_ids"].shape[1]:].tolist()
+
+
 def strengthen_reft(model):
     """Random ReFT inits are mild; scale the source weights so the edit shows in greedy tokens."""
     with torch.no_grad():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from conftest import PROMPTS, load_base
+from conftest import PROMPTS, hf_greedy, load_base
 
 HELPERS = Path(__file__).parent / "helpers"
 
@@ -54,6 +54,4 @@ def test_default_model_in_vllm_matches_hf(base_path, tokenizer):
 
     model = load_base(base_path)
     for prompt, tokens in zip(PROMPTS, from_vllm):
-        batch = tokenizer([prompt], return_tensors="pt")
-        out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        assert out[0, batch["input_ids"].shape[1]:].tolist() == tokens, prompt
+        assert hf_greedy(model, tokenizer, prompt, new_tokens) == tokens, prompt

@@ -19,7 +19,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import preft
-from conftest import load_base, strengthen_reft
+from conftest import hf_greedy, load_base, strengthen_reft
 from preft.export import export_adapter
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "vllm_engine.py"
@@ -59,12 +59,7 @@ def requests_and_reference(bundles, base_path, tokenizer):
     models = {None: load_base(base_path)}
     for name, (adapter_dir, _) in bundles.items():
         models[name] = PeftModel.from_pretrained(load_base(base_path), adapter_dir).eval()
-    with torch.no_grad():
-        for request in requests:
-            batch = tokenizer([request["prompt"]], return_tensors="pt")
-            out = models[request["adapter"]].generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                                      do_sample=False)
-            reference.append(out[0, batch["input_ids"].shape[1]:].tolist())
+    reference = [hf_greedy(models[r["adapter"]], tokenizer, r["prompt"], NEW_TOKENS) for r in requests]
     # the adapters matter: a prefill-only adapter's tokens differ from the base model's
     base_tokens = {r["prompt"]: t for r, t in zip(requests, reference) if r["adapter"] is None}
     assert any(t != base_tokens[r["prompt"]] for r, t in zip(requests, reference) if r["adapter"])
@@ -130,13 +125,7 @@ def test_preemption_recompute_keeps_the_rule(bundles, base_path, tokenizer, tmp_
                  "bundle": str(bundles[names[i % 4]][1]) if names[i % 4] else None} for i in range(8)]
     models = {None: load_base(base_path)}
     models.update({n: PeftModel.from_pretrained(load_base(base_path), bundles[n][0]).eval() for n in names if n})
-    reference = []
-    with torch.no_grad():
-        for request in requests:
-            batch = tokenizer([request["prompt"]], return_tensors="pt")
-            out = models[request["adapter"]].generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                      do_sample=False)
-            reference.append(out[0, batch["input_ids"].shape[1]:].tolist())
+    reference = [hf_greedy(models[r["adapter"]], tokenizer, r["prompt"], new_tokens) for r in requests]
     stdout: list[str] = []
     engine = {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "num_gpu_blocks_override": 3,
               "max_model_len": 256, "disable_log_stats": False}
@@ -156,14 +145,8 @@ def test_decoding_requests_hold_no_adapter_slot(bundles, base_path, tokenizer, t
     names = ["alice", "bob", "carol"]
     requests = [{"prompt": PROMPTS[i % len(PROMPTS)], "adapter": names[i % 3], "bundle": str(bundles[names[i % 3]][1])}
                 for i in range(6)]
-    reference = []
-    with torch.no_grad():
-        models = {n: PeftModel.from_pretrained(load_base(base_path), bundles[n][0]).eval() for n in names}
-        for request in requests:
-            batch = tokenizer([request["prompt"]], return_tensors="pt")
-            out = models[request["adapter"]].generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                      do_sample=False)
-            reference.append(out[0, batch["input_ids"].shape[1]:].tolist())
+    models = {n: PeftModel.from_pretrained(load_base(base_path), bundles[n][0]).eval() for n in names}
+    reference = [hf_greedy(models[r["adapter"]], tokenizer, r["prompt"], new_tokens) for r in requests]
     trace = tmp_path / "scheduler.trace"
     monkeypatch.setenv("PREFT_TRACE_SCHEDULER", str(trace))
     engine = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
@@ -200,12 +183,7 @@ def test_blocks_before_adapter_start_are_shared(base_path, tokenizer, tmp_path):
     order = [None, "lora_late", "lora_early", "lora_early", "reft_late", "reft_early", None]
     requests = [{"prompt": prompt, "adapter": n, "bundle": bundle.get(n), "reft": bool(n) and n.startswith("reft")}
                 for n in order]
-    reference = {}
-    with torch.no_grad():
-        batch = tokenizer([prompt], return_tensors="pt")
-        for name, model in models.items():
-            out = model.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-            reference[name] = out[0, batch["input_ids"].shape[1]:].tolist()
+    reference = {name: hf_greedy(model, tokenizer, prompt, NEW_TOKENS) for name, model in models.items()}
     stdout: list[str] = []
     engine = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_model_len": 512,
               "disable_log_stats": False}

@@ -12,7 +12,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 import preft
-from conftest import load_base, strengthen_reft
+from conftest import hf_greedy, load_base, strengthen_reft
 from preft.export import export_adapter
 from test_engine_lora_p import NEW_TOKENS, PROMPTS, run_engine
 
@@ -39,16 +39,12 @@ def setup(tmp_path_factory, base_path, tokenizer):
         export_adapter(root / name, base_path, root / f"{name}.bundle")
         models[name] = PeftModel.from_pretrained(load_base(base_path), root / name).eval()
     requests, reference = [], []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            for name in [*ADAPTERS, None]:
-                is_reft = bool(name) and ADAPTERS[name][1]
-                requests.append({"prompt": prompt, "adapter": name, "reft": is_reft,
-                                 "bundle": str(root / f"{name}.bundle") if name else None})
-                batch = tokenizer([prompt], return_tensors="pt")
-                out = models[name].generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                            do_sample=False)
-                reference.append(out[0, batch["input_ids"].shape[1]:].tolist())
+    for prompt in PROMPTS:
+        for name in [*ADAPTERS, None]:
+            is_reft = bool(name) and ADAPTERS[name][1]
+            requests.append({"prompt": prompt, "adapter": name, "reft": is_reft,
+                             "bundle": str(root / f"{name}.bundle") if name else None})
+            reference.append(hf_greedy(models[name], tokenizer, prompt, NEW_TOKENS))
     base = {r["prompt"]: t for r, t in zip(requests, reference) if r["adapter"] is None}
     assert any(t != base[r["prompt"]] for r, t in zip(requests, reference) if r["reft"])
     return requests, reference
