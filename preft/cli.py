@@ -14,7 +14,7 @@ PLANNED = {
 
 BENCHMARKS = {
     "sft-step": "SFT step time, LoRA-P vs all-token LoRA (docs/RESULTS.md)",
-    "throughput": "serving output tokens/s: base, stock multi-LoRA, grouped all-token LoRA, LoRA-P",
+    "throughput": "serving output tokens/s: base, stock multi-LoRA, tiled all-token LoRA, LoRA-P, ReFT-P",
 }
 
 RECIPES = {
@@ -76,7 +76,7 @@ def _bench(args) -> int:
         from preft.eval.bench_throughput import main
 
         main(adapter_counts=tuple(int(c) for c in args.adapters.split(",")), prompts=args.prompts,
-             output_tokens=args.output_tokens)
+             output_tokens=args.output_tokens, rounds=args.rounds, model=args.model)
     return 0
 
 
@@ -122,8 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
     bench.add_argument("--repeats", type=int, default=30, help="sft-step: timed steps per side (default 30)")
     bench.add_argument("--adapters", default="1,8,64,256", help="throughput: adapter counts (default 1,8,64,256)")
-    bench.add_argument("--prompts", type=int, default=128, help="throughput: requests per run (default 128)")
+    bench.add_argument("--prompts", type=int, default=256, help="throughput: requests per run (default 256)")
     bench.add_argument("--output-tokens", type=int, default=64, help="throughput: tokens per request (default 64)")
+    bench.add_argument("--rounds", type=int, default=5, help="throughput: measured rounds after a warm-up (default 5)")
+    bench.add_argument("--model", default="default", help="throughput: default, or 512x8 (a random-init Llama)")
     bench.set_defaults(run=_bench)
 
     for name, what in PLANNED.items():

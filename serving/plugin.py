@@ -12,8 +12,9 @@ process) and only on vLLM 0.32, whose internals they were written against:
 2. ``PunicaWrapperBase.__init__``: room for 3 LoRA segments per request. vLLM sizes its
    segment buffers for one run of equal LoRA ids per request; keyed on position, a request can
    have three (before ``adapter_start``, the adapter's span, after ``P``).
-3. The CPU punica ops -> :mod:`preft.serving.lora_ops` (grouped by slot, ``-1`` = no adapter),
-   unless ``PREFT_STOCK_LORA_OPS=1`` (used to measure stock vLLM in the benchmarks).
+3. The CPU punica ops -> :mod:`preft.serving.lora_ops` (rows tiled by slot, ``-1`` = no
+   adapter, one plan per step, no LoRA work in a step without adapter rows), unless
+   ``PREFT_STOCK_LORA_OPS=1`` (used to measure stock vLLM in the benchmarks).
 4. ``Scheduler.schedule``: a running prefill-only request whose prompt is fully computed is
    decoding with the base model, so it does not count against ``max_loras`` when vLLM admits
    new requests: ``--max-adapters`` bounds concurrent *prefills*, not concurrent requests.
@@ -168,6 +169,7 @@ def register() -> None:
             if not hasattr(punica_cpu, name):
                 raise RuntimeError(f"vllm.lora.punica_wrapper.punica_cpu.{name} moved: update preft's plugin")
             setattr(punica_cpu, name, getattr(lora_ops, name))
+        lora_ops.install_planned_lora_linear(punica_cpu.PunicaWrapperCPU)
     if os.environ.get("PREFT_SERVE_BASE"):
         check_runtime_loads()
     patch_model_runners()

@@ -3,15 +3,17 @@
 A request uses a ReFT-P bundle through ``SamplingParams.extra_args = {"preft_reft": BUNDLE}``
 (``preft serve`` sets it from the request's ``model``). Per engine step (worker process):
 
-1. :func:`build_step` (after vLLM's ``_prepare_inputs``) lists the scheduled tokens whose
-   request uses a ReFT bundle and whose absolute position is in ``[adapter_start, P)``, with
-   the bundle's slot in :class:`ReftBank`. A decode-only step lists none.
-2. A forward hook on every decoder layer applies, to those rows only, one batched update:
+1. :func:`build_step` (after vLLM's ``_prepare_inputs``) gives every scheduled token the slot
+   of its request's bundle in :class:`ReftBank` if its absolute position is in
+   ``[adapter_start, P)``, else -1, and turns that into a
+   :class:`~preft.serving.lora_ops.TilePlan` (rows tiled by slot, the layout the LoRA ops
+   use). A decode-only step has no such token and no plan.
+2. A forward hook on every decoder layer applies, to the plan's rows only, one batched update:
    ``h' = h + P_s^T (W_s h + b_s - k_s P_s h)`` with ``h`` the layer's output residual stream
    (vLLM returns it as ``hidden + residual``), ``P_s`` = R (LoReFT, ``k_s = 1``) or W2 (DiReFT,
-   ``k_s = 0``). Weights of all bundles are stacked per layer and gathered by slot: no Python
-   loop over adapters in the hot path. Bundles of other ranks are zero-padded; a bundle that
-   does not edit a layer has zero weights there.
+   ``k_s = 0``). Weights of all bundles are stacked per layer and gathered per tile of rows:
+   no Python loop over adapters in the hot path. Bundles of other ranks are zero-padded; a
+   bundle that does not edit a layer has zero weights there.
 
 Prefix caching: the plugin keys a ReFT-P request's KV blocks past its ``adapter_start`` by the
 bundle (blocks before it are base-model KV and shared), so no cache salt is needed.
@@ -31,6 +33,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from preft.export import read_manifest
+from preft.serving.lora_ops import TilePlan, build_tile_plan
 
 EXTRA_ARG = "preft_reft"
 
@@ -42,14 +45,7 @@ def reft_adapter_start(bundle: str) -> int:
     return int(manifest["adapter_start"]) if manifest["prefill_only"] else 0
 
 
-@dataclass
-class ReftStep:
-    rows: torch.Tensor   # [n] indices into the step's flattened tokens
-    slots: torch.Tensor  # [n] ReftBank slot of each row
-    single_slot: int | None = None  # set when every row uses one bundle: plain matmuls, no gather
-
-
-STEP: ReftStep | None = None
+STEP: TilePlan | None = None  # the current step's ReFT rows; None: no ReFT work this step
 
 
 class ReftBank:
@@ -60,7 +56,8 @@ class ReftBank:
         self.slot_of: dict[str, int] = {}
         self.adapter_start: list[int] = []
         self.bundles: list[dict] = []
-        self.proj = self.source_weight = self.source_bias = self.rh_sign = None
+        # per layer: [slots, 2r, d] = [W_s; P_s] (one matmul gives W h and P h), [slots, r] b_s
+        self.source_and_proj = self.source_bias = self.rh_sign = None
 
     def slot(self, bundle: str) -> int:
         if bundle not in self.slot_of:
@@ -87,30 +84,51 @@ class ReftBank:
                 proj[layer, slot, :r] = weights[f"layers.{layer}.proj"]
                 source_weight[layer, slot, :r] = weights[f"layers.{layer}.source_weight"]
                 source_bias[layer, slot, :r] = weights[f"layers.{layer}.source_bias"]
-        to = dict(device=self.device)
-        self.proj, self.source_weight = proj.to(**to), source_weight.to(**to)
-        self.source_bias, self.rh_sign = source_bias.to(**to), rh_sign.to(**to)
+        self.rank = rank
+        self.source_and_proj = torch.cat([source_weight, proj], dim=2).to(self.device)
+        self.source_bias, self.rh_sign = source_bias.to(self.device), rh_sign.to(self.device)
 
-    def apply(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor, step: ReftStep) -> torch.Tensor:
-        """``hidden`` with the ReFT edit of ``step``'s rows added (``hidden + residual`` is the stream)."""
-        rows, slots = step.rows, step.slots
-        h = (hidden.index_select(0, rows) + residual.index_select(0, rows)).float()   # [n, d]
-        if step.single_slot is not None:
-            slot = step.single_slot
-            proj = self.proj[layer, slot]                                              # [r, d]
-            edit = h @ self.source_weight[layer, slot].t() + self.source_bias[layer, slot]
-            edit = edit - self.rh_sign[slot] * (h @ proj.t())
-            return hidden.index_add(0, rows, (edit @ proj).to(hidden.dtype))
-        proj = self.proj[layer].index_select(0, slots)                                 # [n, r, d]
-        source = torch.bmm(self.source_weight[layer].index_select(0, slots), h[:, :, None]).squeeze(-1)
-        source = source + self.source_bias[layer].index_select(0, slots)               # W h + b
-        projected = torch.bmm(proj, h[:, :, None]).squeeze(-1)                          # R h
-        edit = source - self.rh_sign.index_select(0, slots)[:, None] * projected
-        delta = torch.bmm(proj.transpose(1, 2), edit[:, :, None]).squeeze(-1)           # R^T (...)
-        return hidden.index_add(0, rows, delta.to(hidden.dtype))
+    def apply(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+        """``hidden`` with the ReFT edit of ``plan``'s rows added (``hidden + residual`` is the stream)."""
+        rows = plan.num_rows
+        stream = (hidden[:rows] + residual[:rows]).float()                              # [rows, d]
+        r, weights, bias = self.rank, self.source_and_proj[layer], self.source_bias[layer]
+        if plan.single_slot is not None:  # plain matmuls over every row, masked (the rank is small)
+            slot = plan.single_slot
+            both = stream @ weights[slot].t()                                            # [rows, 2r]
+            edit = both[:, :r] + bias[slot] - self.rh_sign[slot] * both[:, r:]
+            if plan.row_mask is not None:
+                edit = edit * plan.row_mask
+            delta = edit @ weights[slot, r:]                                             # [rows, d]
+        else:
+            tiles = stream.index_select(0, plan.gather).view(-1, plan.tile_rows, stream.shape[-1])
+            tile_weights = weights.index_select(0, plan.tile_slots)                     # [tiles, 2r, d]
+            both = torch.bmm(tiles, tile_weights.transpose(1, 2))                        # [tiles, T, 2r]
+            sign = self.rh_sign.index_select(0, plan.tile_slots)[:, None, None]
+            edit = both[..., :r] + bias.index_select(0, plan.tile_slots)[:, None, :] - sign * both[..., r:]
+            delta = torch.bmm(edit * plan.tile_mask, tile_weights[:, r:])               # [tiles, T, d]
+            delta = delta.view(-1, stream.shape[-1]).index_select(0, plan.untile)
+        hidden[:rows] += delta.to(hidden.dtype)  # in place: a fresh activation, inference only
+        return hidden
 
 
 BANK: ReftBank | None = None
+
+
+def _request_slot(state) -> tuple[int, int]:
+    """``(slot, adapter_start)`` of a request's ReFT bundle, ``(-1, 0)`` without one; cached on
+    vLLM's per-request state, which lives as long as the request."""
+    cached = getattr(state, "preft_reft_slot", None)
+    if cached is None:
+        params = state.sampling_params
+        bundle = (params.extra_args or {}).get(EXTRA_ARG) if params is not None else None
+        if bundle:
+            slot = BANK.slot(bundle)
+            cached = (slot, BANK.adapter_start[slot])
+        else:
+            cached = (-1, 0)
+        state.preft_reft_slot = cached
+    return cached
 
 
 def build_step(runner, num_scheduled_tokens: np.ndarray) -> None:
@@ -120,29 +138,20 @@ def build_step(runner, num_scheduled_tokens: np.ndarray) -> None:
     if BANK is None:
         return
     batch = runner.input_batch
-    rows, slots = [], []
-    offset = 0
-    for index, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
-        count = int(num_scheduled_tokens[index])
-        params = runner.requests[req_id].sampling_params
-        bundle = (params.extra_args or {}).get(EXTRA_ARG) if params is not None else None
-        if bundle:
-            slot = BANK.slot(bundle)
-            start = BANK.adapter_start[slot]
-            first = int(batch.num_computed_tokens_cpu[index])
-            positions = np.arange(first, first + count)
-            if start < 0:  # an all-token bundle
-                active = np.ones(count, dtype=bool)
-            else:
-                active = (positions >= start) & (positions < int(batch.num_prompt_tokens[index]))
-            picked = offset + np.nonzero(active)[0]
-            rows.extend(picked.tolist())
-            slots.extend([slot] * len(picked))
-        offset += count
-    if rows:
-        device = BANK.device
-        single = slots[0] if len(set(slots)) == 1 else None
-        STEP = ReftStep(torch.tensor(rows, device=device), torch.tensor(slots, device=device), single)
+    n = batch.num_reqs
+    found = [_request_slot(runner.requests[req_id]) for req_id in batch.req_ids[:n]]
+    slots = np.array([slot for slot, _ in found], dtype=np.int64)
+    if n == 0 or (slots < 0).all():
+        return
+    start = np.array([start for _, start in found], dtype=np.int64)
+    scheduled = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
+    request = np.repeat(np.arange(n), scheduled)
+    first = np.cumsum(scheduled) - scheduled
+    position = batch.num_computed_tokens_cpu[:n].astype(np.int64)[request] + np.arange(request.size) - first[request]
+    in_prompt = (position >= start[request]) & (position < batch.num_prompt_tokens[:n].astype(np.int64)[request])
+    active = (slots[request] >= 0) & ((start[request] < 0) | in_prompt)  # start -1: an all-token bundle
+    if active.any():
+        STEP = build_tile_plan(torch.from_numpy(np.where(active, slots[request], -1)).to(BANK.device))
 
 
 def install_hooks(model: nn.Module, config) -> None:
@@ -160,10 +169,10 @@ def install_hooks(model: nn.Module, config) -> None:
 
     for index, layer in enumerate(layers):
         def hook(module, inputs, output, layer_index=index):
-            step = STEP
-            if step is None or not isinstance(output, tuple) or output[1] is None:
+            plan = STEP
+            if plan is None or not isinstance(output, tuple) or output[1] is None:
                 return output
             hidden, residual = output
-            return BANK.apply(layer_index, hidden, residual, step), residual
+            return BANK.apply(layer_index, hidden, residual, plan), residual
 
         layer.register_forward_hook(hook)

@@ -76,3 +76,54 @@ def test_sgmv_wrappers_explode_segments():
     lora_ops.sgmv_shrink(x, lora_a, out, torch.tensor([0, 2]), torch.tensor([2, 3]), torch.tensor([1, -1]),
                          2, 3, 5, 1.0)
     assert torch.allclose(out[:2], x[:2] @ lora_a[1, 0].T, atol=1e-5) and torch.equal(out[2:], torch.zeros(3, 3))
+
+
+def _per_row_lora_reference(y, x, indices, lora_a, lora_b, scale, slices):
+    expected = y.clone()
+    for row, slot in enumerate(indices.tolist()):
+        if slot < 0:
+            continue
+        offset = 0
+        for a, b, size in zip(lora_a, lora_b, slices):
+            expected[row, offset: offset + size] += b[slot, 0, :size] @ (scale * a[slot, 0] @ x[row])
+            offset += size
+    return expected
+
+
+@pytest.mark.parametrize("indices", [
+    # several slots, groups not a multiple of the tile, rows without an adapter in between
+    [3, 3, 3, -1, 0, 0, 1, 1, 1, 1, 1, -1, -1, 3, 2] * 5,
+    [1] * 9,                  # one slot, every row: plain matmuls
+    [-1, 2, 2, -1, 2, -1],    # one slot, some rows
+    [0, 1, 2, 3] * 8,         # decode-like: one row per request, tiles of 1
+], ids=["many-slots", "one-slot-all-rows", "one-slot-some-rows", "one-row-groups"])
+def test_planned_lora_linear_matches_a_per_row_reference(indices):
+    torch.manual_seed(0)
+    indices = torch.tensor(indices)
+    rows, hidden, rank, slots, slices = indices.numel(), 12, 4, 4, (5, 3, 3)
+    x = torch.randn(rows + 2, hidden)  # 2 padding rows past the step's tokens: left alone
+    lora_a = tuple(torch.randn(slots, 1, rank, hidden) for _ in slices)
+    lora_b = tuple(torch.randn(slots, 1, size + 1, rank) for size in slices)  # B may be wider than the slice
+    y = torch.randn(rows + 2, sum(slices))
+    expected = _per_row_lora_reference(y, x, indices, lora_a, lora_b, 0.5, slices)
+    plan = lora_ops.build_tile_plan(indices, tile_rows=4 if indices.numel() > 40 else None)
+    lora_ops.planned_lora_linear(y, x, plan, lora_a, lora_b, 0.5, slices)
+    assert torch.allclose(y, expected, atol=1e-4)
+
+
+def test_tile_plan_groups_rows_by_slot_with_little_padding():
+    indices = torch.tensor([5] * 40 + [-1] * 3 + [2] * 7 + [5] * 24)
+    plan = lora_ops.build_tile_plan(indices)
+    assert plan.single_slot is None and plan.num_rows == indices.numel()
+    assert plan.tile_rows == 32  # mean 35.5 rows per slot -> tiles of 32
+    # slot 2: 1 tile, slot 5: 64 rows = 2 tiles, plus the trailing padding tile
+    assert plan.tile_slots.tolist() == [2, 5, 5, 2]
+    real = plan.tile_mask.view(-1).bool()
+    assert sorted(plan.gather[real].tolist()) == [i for i, s in enumerate(indices.tolist()) if s >= 0]
+    tiles_of_row = plan.untile // plan.tile_rows
+    for row, slot in enumerate(indices.tolist()):  # every row reads back a position of its own slot's tile
+        if slot >= 0:
+            assert plan.tile_slots[tiles_of_row[row]] == slot and plan.gather[plan.untile[row]] == row
+        else:
+            assert not real[plan.untile[row]]
+    assert lora_ops.build_tile_plan(torch.full((6,), -1)) is None  # a decode-only LoRA-P step: no work

@@ -1,0 +1,28 @@
+"""The throughput benchmark's bookkeeping (the engines themselves run in `make bench`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from preft.cli import main as cli_main
+from preft.eval.bench_throughput import VARIANTS, summarize
+
+
+def test_ratios_are_paired_within_a_round_then_the_median_is_taken():
+    # the machine is twice as fast in round 2: tok/s medians move, the paired ratio does not
+    rounds = [{name: {"8": speed * rate} for name, rate in zip(VARIANTS, (1.0, 0.2, 0.5, 0.9, 1.1))}
+              for speed in (1000.0, 2000.0, 1500.0)]
+    summary = summarize(rounds, ["8"])
+    assert summary["base"]["tokens_per_s"]["8"] == 1500.0
+    assert summary["LoRA-P"]["vs_base"]["8"] == pytest.approx(0.9)
+    assert summary["LoRA-P"]["vs_stock"]["8"] == pytest.approx(0.9 / 0.2)
+    assert summary["ReFT-P"]["vs_base_range"]["8"] == pytest.approx([1.1, 1.1])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "huge"], "unknown --model 'huge'"),
+    (["--adapters", "1,64", "--prompts", "8"], "--prompts 8 is fewer than --adapters 64"),
+])
+def test_bad_benchmark_arguments_are_refused_before_any_work(argv, message, capsys):
+    assert cli_main(["bench", "throughput", *argv]) == 2
+    assert message in capsys.readouterr().err
