@@ -179,10 +179,11 @@ def plot(summary: dict, counts: list[str], path: Path, title: str) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     x = [int(c) for c in counts]
+    colors = dict(zip(VARIANTS, plt.get_cmap("tab10").colors))  # one color per variant in both panels
     for name, values in summary.items():
-        left.plot(x, [values["tokens_per_s"][c] for c in counts], marker="o", label=name)
+        left.plot(x, [values["tokens_per_s"][c] for c in counts], marker="o", label=name, color=colors[name])
         if name != "base":
-            right.plot(x, [values["vs_base"][c] for c in counts], marker="o", label=name)
+            right.plot(x, [values["vs_base"][c] for c in counts], marker="o", label=name, color=colors[name])
     right.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="goal 0.95x")
     for axis, label in ((left, "output tokens/s (median)"), (right, "vs base (median of per-round ratios)")):
         axis.set_xscale("log", base=2)
