@@ -1,4 +1,4 @@
-"""Benchmark: serving throughput of base / stock multi-LoRA / grouped all-token LoRA / LoRA-P / ReFT-P.
+"""Benchmark: serving throughput of base / stock multi-LoRA / tiled all-token LoRA / LoRA-P / ReFT-P.
 
     preft bench throughput [--adapters 1,8,64,256] [--prompts 256] [--output-tokens 64] [--rounds 5]
 
