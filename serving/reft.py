@@ -25,7 +25,6 @@ explicit context object).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
