@@ -21,6 +21,7 @@ apart) and the median over rounds is reported, so a machine whose speed drifts d
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import platform
@@ -217,11 +218,8 @@ def main(adapter_counts=(1, 8, 64, 256), prompts: int = 256, prompt_tokens: int 
                 "reft_bundles": make_bundles(base, max(adapter_counts), reft, tmp, "reft_p")}
         lora_size, base_size = adapter_parameters(base, lora)
         measured = measure(spec, tmp, rounds)
-    defaults = {"model": "default", "adapters": "1,8,64,256", "prompts": 256, "output_tokens": 64, "rounds": 5}
-    given = {"model": model, "adapters": ",".join(counts), "prompts": prompts, "output_tokens": output_tokens,
-             "rounds": rounds}
-    command = "preft bench throughput" + "".join(
-        f" --{key.replace('_', '-')} {value}" for key, value in given.items() if value != defaults[key])
+    command = command_line(model=model, adapter_counts=tuple(adapter_counts), prompts=prompts,
+                           output_tokens=output_tokens, rounds=rounds)
     result = {"command": command, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "name": "throughput" if model == "default" else f"throughput_{model}", "model_key": model,
               "model": MODELS[model],
@@ -231,6 +229,15 @@ def main(adapter_counts=(1, 8, 64, 256), prompts: int = 256, prompt_tokens: int 
               "rounds_measured": measured}
     print(report(result))
     return result
+
+
+def command_line(**given) -> str:
+    """The ``preft bench throughput`` command for ``main(**given)``, naming only non-defaults."""
+    defaults = {name: parameter.default for name, parameter in inspect.signature(main).parameters.items()}
+    flags = {"adapter_counts": "adapters"}
+    return "preft bench throughput" + "".join(
+        f" --{flags.get(key, key).replace('_', '-')} {','.join(map(str, value)) if key == 'adapter_counts' else value}"
+        for key, value in given.items() if value != defaults[key])
 
 
 def report(result: dict) -> str:

@@ -125,14 +125,14 @@ def lora_expand_into(target: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.T
 
 
 def planned_lora_linear(y, x, plan: TilePlan | None, lora_a_stacked, lora_b_stacked, scale: float,
-                        output_slices, offset_start: int = 0) -> None:
+                        output_slices) -> None:
     """``y[:, slices] += scale * x @ A_slot^T @ B_slot^T`` for every row with an adapter (all slices)."""
     if plan is None:
         return
     y = y.view(-1, y.shape[-1])[: plan.num_rows]
     x = x.view(-1, x.shape[-1])[: plan.num_rows]
     tiled_x = tile_rows_of(x, plan)  # shared by the slices (q/k/v, gate/up)
-    offset = offset_start
+    offset = 0
     for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
         shrunk = lora_shrink(tiled_x, lora_a, plan, scale, torch.float32)  # float32 like vLLM's buffers
         lora_expand_into(y[:, offset: offset + size], shrunk, lora_b, plan, add=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from preft.cli import main as cli_main
-from preft.eval.bench_throughput import VARIANTS, summarize
+from preft.eval.bench_throughput import VARIANTS, command_line, summarize
 
 
 def test_ratios_are_paired_within_a_round_then_the_median_is_taken():
@@ -26,3 +26,10 @@ def test_ratios_are_paired_within_a_round_then_the_median_is_taken():
 def test_bad_benchmark_arguments_are_refused_before_any_work(argv, message, capsys):
     assert cli_main(["bench", "throughput", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_recorded_command_names_only_what_differs_from_the_defaults():
+    assert command_line(model="default", adapter_counts=(1, 8, 64, 256), prompts=256, output_tokens=64,
+                        rounds=5) == "preft bench throughput"
+    assert command_line(model="512x8", adapter_counts=(1, 8, 64), prompts=64, output_tokens=64, rounds=3) == (
+        "preft bench throughput --model 512x8 --adapters 1,8,64 --prompts 64 --rounds 3")
