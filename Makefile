@@ -34,6 +34,7 @@ test: install
 # Side-by-side benchmarks; each writes docs/results/NAME.json and its section of docs/RESULTS.md.
 bench: install
 	$(BIN)/preft bench sft-step
+	$(BIN)/preft bench lora-ops
 	$(BIN)/preft bench throughput
 	$(BIN)/preft bench throughput --model 512x8 --adapters 1,8,64 --prompts 64 --rounds 3
 

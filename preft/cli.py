@@ -14,6 +14,7 @@ PLANNED = {
 
 BENCHMARKS = {
     "sft-step": "SFT step time, LoRA-P vs all-token LoRA (docs/RESULTS.md)",
+    "lora-ops": "CPU multi-LoRA ops on one prefill step: vLLM stock vs PreFT's planned ops",
     "throughput": "serving output tokens/s: base, stock multi-LoRA, tiled all-token LoRA, LoRA-P, ReFT-P",
 }
 
@@ -68,10 +69,15 @@ def _serve(args) -> int:
 
 
 def _bench(args) -> int:
+    repeats = {} if args.repeats is None else {"repeats": args.repeats}
     if args.which == "sft-step":
         from preft.eval.bench_sft import main
 
-        main(repeats=args.repeats)
+        main(**repeats)
+    elif args.which == "lora-ops":
+        from preft.eval.bench_lora_ops import main
+
+        main(**repeats)
     elif args.which == "throughput":
         from preft.eval.bench_throughput import main
 
@@ -120,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks; results go to docs/RESULTS.md")
     bench.add_argument("which", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
-    bench.add_argument("--repeats", type=int, default=30, help="sft-step: timed steps per side (default 30)")
+    bench.add_argument("--repeats", type=int, default=None,
+                       help="sft-step: timed steps per side (default 30); lora-ops: rounds (default 15)")
     bench.add_argument("--adapters", default="1,8,64,256", help="throughput: adapter counts (default 1,8,64,256)")
     bench.add_argument("--prompts", type=int, default=256, help="throughput: requests per run (default 256)")
     bench.add_argument("--output-tokens", type=int, default=64, help="throughput: tokens per request (default 64)")

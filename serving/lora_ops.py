@@ -6,12 +6,16 @@ in`` floats. Prefill-only serving mixes adapter and no-adapter tokens in nearly 
 
 These ops work from a :class:`TilePlan` of the step instead (the layout of a segmented-GEMM
 kernel such as punica's SGMV, written with torch ops): the rows that have an adapter, sorted
-by slot, cut into tiles of ``tile_rows`` rows that each belong to one slot. Per op: one
-gather of the rows, one gather of the weights *per tile* (not per token), one ``bmm`` and one
-gather of the result back into row order, whatever the number of adapters in the step; rows
-with ``-1`` get nothing added (or zeros where the op overwrites its output). A step whose rows
-all use one slot runs plain matmuls, accumulating into the output in place. The plan depends only on the step's per-token slots, so the punica wrapper builds it
-once per step (:func:`install_planned_lora_linear`) and every LoRA layer of the step reuses it.
+by slot, cut into tiles of ``tile_rows`` rows that each belong to one slot. Per LoRA layer:
+one gather of the rows, one gather of the weights *per tile* (not per token), one ``bmm``
+shrink shared by the layer's slices (q/k/v, gate/up), one ``bmm`` expand per slice and one
+gather of its result back into row order, whatever the number of adapters in the step; rows
+with ``-1`` get nothing added (or zeros where an op overwrites its output). A step whose rows
+all use one slot runs plain matmuls, accumulating into the output in place. The plan depends
+only on the step's per-token slots, so the punica wrapper builds it once per step
+(:func:`install_planned_lora_linear`) and every LoRA layer of the step reuses it; each layer
+reads its weights from a :class:`PlannedLoraWeights`, a transposed copy kept in step with
+vLLM's stacked tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from dataclasses import dataclass
 import torch
 
 MAX_TILE_ROWS = 64  # rows per tile at most; fewer when the step's groups are small (decode)
+# What one tile costs beyond its rows, in rows: its weight gather moves about rank x (in + out)
+# floats, as much as 16 rows' (in + out) at rank 16.
+TILE_OVERHEAD_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -43,15 +50,17 @@ class TilePlan:
     tile_mask: torch.Tensor | None   # [tiles, tile_rows, 1] 1.0 at real positions, 0.0 at padding
     tile_slots: torch.Tensor | None  # [tiles] slot of each tile
     untile: torch.Tensor | None      # [num_rows] tile position of each row (a padding one if none)
+    slots: frozenset[int] = frozenset()  # the slots the step uses
     tile_rows: int = MAX_TILE_ROWS
 
 
 def build_tile_plan(indices: torch.Tensor, tile_rows: int | None = None) -> TilePlan | None:
     """The plan for per-row slots ``indices`` (``-1`` = no adapter); ``None`` if no row has one.
 
-    ``tile_rows`` defaults to the power of two nearest the mean rows per slot (at most
-    :data:`MAX_TILE_ROWS`): big tiles for prefill chunks, tiles of 1-2 rows for decode, so
-    padding stays small either way.
+    ``tile_rows`` defaults to the size (at most :data:`MAX_TILE_ROWS`) that computes the fewest
+    padded rows plus :data:`TILE_OVERHEAD_ROWS` per tile: one tile per prompt chunk when the
+    chunks are that short (33-token prompts get tiles of 33, not two tiles of 32), tiles of a
+    row or two for decode.
     """
     indices = indices.reshape(-1)
     num_rows = indices.numel()
@@ -63,13 +72,12 @@ def build_tile_plan(indices: torch.Tensor, tile_rows: int | None = None) -> Tile
     first = int(slots[0])
     if bool((slots == first).all()):
         mask = None if active.numel() == num_rows else has_adapter.to(torch.float32)[:, None]
-        return TilePlan(num_rows, first, mask, None, None, None, None)
+        return TilePlan(num_rows, first, mask, None, None, None, None, frozenset([first]))
     slots, order = torch.sort(slots, stable=True)
     rows = active.index_select(0, order)
     group_slots, group_sizes = torch.unique_consecutive(slots, return_counts=True)
     if tile_rows is None:
-        mean_rows = rows.numel() / group_slots.numel()
-        tile_rows = min(MAX_TILE_ROWS, 1 << max(0, round(math.log2(mean_rows))))
+        tile_rows = _cheapest_tile_rows(group_sizes)
     group_tiles = (group_sizes + tile_rows - 1) // tile_rows
     # one trailing tile of padding (slot 0, zero input) for the rows without an adapter to read
     tile_slots = torch.cat([group_slots.repeat_interleave(group_tiles), group_slots[:1]])
@@ -85,7 +93,14 @@ def build_tile_plan(indices: torch.Tensor, tile_rows: int | None = None) -> Tile
     tile_mask[position] = 1.0
     untile = torch.full((num_rows,), size - 1, dtype=torch.long, device=rows.device)
     untile[rows] = position
-    return TilePlan(num_rows, None, None, gather, tile_mask.view(-1, tile_rows, 1), tile_slots, untile, tile_rows)
+    return TilePlan(num_rows, None, None, gather, tile_mask.view(-1, tile_rows, 1), tile_slots, untile,
+                    frozenset(group_slots.tolist()), tile_rows)
+
+
+def _cheapest_tile_rows(group_sizes: torch.Tensor) -> int:
+    sizes = torch.arange(1, MAX_TILE_ROWS + 1, device=group_sizes.device)
+    tiles = (group_sizes[None, :] + sizes[:, None] - 1).div(sizes[:, None], rounding_mode="floor").sum(1)
+    return int(sizes[torch.argmin(tiles * (sizes + TILE_OVERHEAD_ROWS))])
 
 
 def _weights(stacked: torch.Tensor, plan: TilePlan, dtype: torch.dtype) -> torch.Tensor:
@@ -124,18 +139,103 @@ def lora_expand_into(target: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.T
     target.add_(expanded) if add else target.copy_(expanded)
 
 
-def planned_lora_linear(y, x, plan: TilePlan | None, lora_a_stacked, lora_b_stacked, scale: float,
-                        output_slices) -> None:
-    """``y[:, slices] += scale * x @ A_slot^T @ B_slot^T`` for every row with an adapter (all slices)."""
+class PlannedLoraWeights:
+    """One LoRA layer's stacked adapter weights, laid out the way the planned ops read them.
+
+    vLLM keeps ``lora_a_stacked[j]`` as ``[slots, 1, rank, in]`` and ``lora_b_stacked[j]`` as
+    ``[slots, 1, out_j, rank]`` per output slice. A matmul reads their transposes 20-30% faster
+    when those are contiguous, and the slices of a merged layer (q/k/v, gate/up) share one
+    shrink when their A's sit side by side. So this keeps ``a_t`` ``[slots, in, slices * rank]``
+    and ``b_t[j]`` ``[slots, rank, out_j]`` (float32, like vLLM's shrink buffers).
+
+    vLLM writes an adapter into a slot in place when it activates it, which bumps the stacked
+    tensors' version counters; the copy cannot tell which slot changed, so any bump marks every
+    slot stale and each step refreshes only the stale slots it uses (an adapter swap costs a
+    copy of that adapter, not of the whole stack).
+    """
+
+    def __init__(self, lora_a_stacked, lora_b_stacked, output_slices):
+        self.lora_a, self.lora_b = tuple(lora_a_stacked), tuple(lora_b_stacked)
+        slots, _, self.rank, size_in = self.lora_a[0].shape
+        self.a_t = torch.zeros(slots, size_in, self.rank * len(self.lora_a))
+        self.b_t = [torch.zeros(slots, self.rank, size) for size in output_slices]
+        self.versions: tuple[int, ...] | None = None
+        self.fresh: set[int] = set()
+
+    def refresh(self, slots: frozenset[int]) -> None:
+        """Bring the copies of ``slots`` up to date with vLLM's stacked tensors."""
+        versions = tuple(t._version for t in self.lora_a + self.lora_b)
+        if versions != self.versions:
+            self.versions, self.fresh = versions, set()
+        stale = slots - self.fresh
+        if not stale:
+            return
+        index = torch.tensor(sorted(stale))
+        rank = self.rank
+        for j, (lora_a, lora_b, b_t) in enumerate(zip(self.lora_a, self.lora_b, self.b_t)):
+            a = lora_a.flatten(0, 1).index_select(0, index).transpose(1, 2)
+            self.a_t[index, :, j * rank: (j + 1) * rank] = a.to(self.a_t.dtype)
+            b = lora_b.flatten(0, 1).index_select(0, index)[:, : b_t.shape[2], :].transpose(1, 2)
+            b_t[index] = b.to(b_t.dtype)
+        self.fresh |= stale
+
+
+class Workspace:
+    """Reusable scratch tensors for the planned ops, one growable buffer per name.
+
+    A prefill step's temporaries are megabytes each; freshly allocated, glibc hands them out
+    as new pages and every step pays the page faults (measured: up to 2x the ops' time on
+    these VMs). The same few shapes recur for every layer of a step, so they are kept.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        size = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            buffer = self.buffers[name] = torch.empty(size, dtype=dtype)
+        return buffer[:size].view(shape)
+
+
+def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights, scale: float,
+                        workspace: Workspace | None = None) -> None:
+    """``y[:, slice j] += scale * x @ A_j,slot^T @ B_j,slot^T`` for every row with an adapter.
+
+    One shrink for all slices (their A's side by side), then one expand per slice. Several
+    slots: the rows are tiled per :class:`TilePlan`, the weights gathered per tile and the
+    expanded rows read back in row order; one slot: plain matmuls into ``y`` in place.
+    """
     if plan is None:
         return
+    weights.refresh(plan.slots)
     y = y.view(-1, y.shape[-1])[: plan.num_rows]
-    x = x.view(-1, x.shape[-1])[: plan.num_rows]
-    tiled_x = tile_rows_of(x, plan)  # shared by the slices (q/k/v, gate/up)
-    offset = 0
-    for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
-        shrunk = lora_shrink(tiled_x, lora_a, plan, scale, torch.float32)  # float32 like vLLM's buffers
-        lora_expand_into(y[:, offset: offset + size], shrunk, lora_b, plan, add=True)
+    x = x.view(-1, x.shape[-1])[: plan.num_rows].to(weights.a_t.dtype)
+    rank, offset = weights.rank, 0
+    if plan.single_slot is not None:
+        shrunk = torch.mm(x, weights.a_t[plan.single_slot])
+        shrunk.mul_(scale if plan.row_mask is None else plan.row_mask * scale)
+        for j, b_t in enumerate(weights.b_t):
+            size = b_t.shape[2]
+            y[:, offset: offset + size].addmm_(shrunk[:, j * rank: (j + 1) * rank].to(y.dtype),
+                                               b_t[plan.single_slot].to(y.dtype))
+            offset += size
+        return
+    space = workspace or Workspace()
+    num_tiles, tile_rows, size_in = plan.tile_slots.numel(), plan.tile_rows, x.shape[-1]
+    width = weights.a_t.shape[-1]
+    tiles = torch.index_select(x, 0, plan.gather, out=space.get("tiles", num_tiles * tile_rows, size_in))
+    a_t = torch.index_select(weights.a_t, 0, plan.tile_slots, out=space.get("a_t", num_tiles, size_in, width))
+    shrunk = torch.bmm(tiles.view(num_tiles, tile_rows, size_in), a_t,
+                       out=space.get("shrunk", num_tiles, tile_rows, width)).mul_(plan.tile_mask * scale)
+    for j, b_t in enumerate(weights.b_t):
+        size = b_t.shape[2]
+        b_tiles = torch.index_select(b_t, 0, plan.tile_slots, out=space.get("b_t", num_tiles, rank, size))
+        expanded = torch.bmm(shrunk[..., j * rank: (j + 1) * rank], b_tiles,
+                             out=space.get("expanded", num_tiles, tile_rows, size))
+        rows = torch.index_select(expanded.view(-1, size), 0, plan.untile, out=space.get("rows", plan.num_rows, size))
+        y[:, offset: offset + size].add_(rows.to(y.dtype))
         offset += size
 
 
@@ -210,8 +310,17 @@ def install_planned_lora_linear(wrapper_cls) -> None:
         self.preft_plan = build_tile_plan(self.token_lora_indices)
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
-        planned_lora_linear(y, x, getattr(self, "preft_plan", None), lora_a_stacked, lora_b_stacked, scale,
-                            output_slices)
+        plan = getattr(self, "preft_plan", None)
+        if plan is None:
+            return
+        layers = self.__dict__.setdefault("preft_weights", {})  # one PlannedLoraWeights per LoRA layer
+        weights = layers.get(id(lora_a_stacked[0]))
+        if weights is None or weights.lora_a[0] is not lora_a_stacked[0]:
+            weights = layers[id(lora_a_stacked[0])] = PlannedLoraWeights(lora_a_stacked, lora_b_stacked,
+                                                                         output_slices)
+        if not hasattr(self, "preft_workspace"):
+            self.preft_workspace = Workspace()
+        planned_lora_linear(y, x, plan, weights, scale, self.preft_workspace)
 
     wrapper_cls.update_metadata = update_metadata
     wrapper_cls.add_lora_linear = add_lora_linear

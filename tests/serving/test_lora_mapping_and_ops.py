@@ -107,15 +107,43 @@ def test_planned_lora_linear_matches_a_per_row_reference(indices):
     y = torch.randn(rows + 2, sum(slices))
     expected = _per_row_lora_reference(y, x, indices, lora_a, lora_b, 0.5, slices)
     plan = lora_ops.build_tile_plan(indices, tile_rows=4 if indices.numel() > 40 else None)
-    lora_ops.planned_lora_linear(y, x, plan, lora_a, lora_b, 0.5, slices)
+    weights = lora_ops.PlannedLoraWeights(lora_a, lora_b, slices)
+    lora_ops.planned_lora_linear(y, x, plan, weights, 0.5)
     assert torch.allclose(y, expected, atol=1e-4)
+
+
+def test_planned_weights_follow_vllm_writing_an_adapter_into_a_slot():
+    """vLLM copies a newly activated adapter into its slot in place: the next step must use it,
+    including for a slot the layer had already copied and for one it had not seen yet."""
+    torch.manual_seed(0)
+    rows, hidden, rank, slots, slices = 8, 6, 2, 3, (4, 4)
+    lora_a = tuple(torch.randn(slots, 1, rank, hidden) for _ in slices)
+    lora_b = tuple(torch.randn(slots, 1, size, rank) for size in slices)
+    weights = lora_ops.PlannedLoraWeights(lora_a, lora_b, slices)
+    x = torch.randn(rows, hidden)
+
+    def step(indices):
+        indices = torch.tensor(indices)
+        y = torch.zeros(rows, sum(slices))
+        lora_ops.planned_lora_linear(y, x, lora_ops.build_tile_plan(indices), weights, 1.0)
+        return y, _per_row_lora_reference(torch.zeros(rows, sum(slices)), x, indices, lora_a, lora_b, 1.0, slices)
+
+    for indices in ([0, 0, 1, 1, -1, 1, 0, 0], [1] * rows):
+        got, expected = step(indices)
+        assert torch.allclose(got, expected, atol=1e-5)
+    for j in range(len(slices)):  # "activate" new adapters in slots 1 and 2, the way vLLM's set_lora writes them
+        lora_a[j][1, 0].copy_(torch.randn(rank, hidden))
+        lora_b[j][2, 0].copy_(torch.randn(slices[j], rank))
+    for indices in ([1] * rows, [2, 2, 2, 1, 1, 1, 0, 0]):
+        got, expected = step(indices)
+        assert torch.allclose(got, expected, atol=1e-5)
 
 
 def test_tile_plan_groups_rows_by_slot_with_little_padding():
     indices = torch.tensor([5] * 40 + [-1] * 3 + [2] * 7 + [5] * 24)
     plan = lora_ops.build_tile_plan(indices)
     assert plan.single_slot is None and plan.num_rows == indices.numel()
-    assert plan.tile_rows == 32  # mean 35.5 rows per slot -> tiles of 32
+    assert plan.tile_rows == 32  # 7 + 64 rows: 3 tiles of 32 compute fewer rows than 2 of 64 or 5 of 16
     # slot 2: 1 tile, slot 5: 64 rows = 2 tiles, plus the trailing padding tile
     assert plan.tile_slots.tolist() == [2, 5, 5, 2]
     real = plan.tile_mask.view(-1).bool()
@@ -127,3 +155,17 @@ def test_tile_plan_groups_rows_by_slot_with_little_padding():
         else:
             assert not real[plan.untile[row]]
     assert lora_ops.build_tile_plan(torch.full((6,), -1)) is None  # a decode-only LoRA-P step: no work
+
+
+@pytest.mark.parametrize("group_rows, tile_rows", [
+    ([33] * 64, 33),         # 33-token prompts, one adapter each: one tile per prompt, no padding
+    ([1] * 40, 1),           # decode with all-token LoRA: one row per request
+    ([262] * 8, 53),         # long groups: 5 tiles of 53 rows rather than 5 of 64
+    ([200, 3, 3, 3], 40),    # one long chunk, a few short ones: no tiles of 64 for 3 rows
+])
+def test_tile_size_keeps_padding_small(group_rows, tile_rows):
+    indices = torch.cat([torch.full((rows,), slot) for slot, rows in enumerate(group_rows)])
+    plan = lora_ops.build_tile_plan(indices)
+    assert plan.tile_rows == tile_rows
+    tiles = sum(-(-rows // tile_rows) for rows in group_rows) + 1  # + the trailing padding tile
+    assert plan.tile_slots.numel() == tiles
