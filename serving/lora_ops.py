@@ -103,6 +103,10 @@ def _cheapest_tile_rows(group_sizes: torch.Tensor) -> int:
     return int(sizes[torch.argmin(tiles * (sizes + TILE_OVERHEAD_ROWS))])
 
 
+# One op at a time, straight from vLLM's stacked weights: the pieces of vLLM's op signatures
+# further down (embeddings, logits, sharded layers). LoRA linear layers use planned_lora_linear.
+
+
 def _weights(stacked: torch.Tensor, plan: TilePlan, dtype: torch.dtype) -> torch.Tensor:
     """Stacked weights ``[slots, (1,) out, in]`` as ``[out, in]`` (single slot) or ``[tiles, out, in]``."""
     stacked = stacked.flatten(0, 1) if stacked.dim() == 4 else stacked
