@@ -161,8 +161,9 @@ class PlannedLoraWeights:
     def __init__(self, lora_a_stacked, lora_b_stacked, output_slices):
         self.lora_a, self.lora_b = tuple(lora_a_stacked), tuple(lora_b_stacked)
         slots, _, self.rank, size_in = self.lora_a[0].shape
-        self.a_t = torch.zeros(slots, size_in, self.rank * len(self.lora_a))
-        self.b_t = [torch.zeros(slots, self.rank, size) for size in output_slices]
+        device = self.lora_a[0].device
+        self.a_t = torch.zeros(slots, size_in, self.rank * len(self.lora_a), device=device)
+        self.b_t = [torch.zeros(slots, self.rank, size, device=device) for size in output_slices]
         self.versions: tuple[int, ...] | None = None
         self.fresh: set[int] = set()
 
@@ -174,7 +175,7 @@ class PlannedLoraWeights:
         stale = slots - self.fresh
         if not stale:
             return
-        index = torch.tensor(sorted(stale))
+        index = torch.tensor(sorted(stale), device=self.a_t.device)
         rank = self.rank
         for j, (lora_a, lora_b, b_t) in enumerate(zip(self.lora_a, self.lora_b, self.b_t)):
             a = lora_a.flatten(0, 1).index_select(0, index).transpose(1, 2)

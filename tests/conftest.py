@@ -9,6 +9,10 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on CPU; triton reads this when it is first
+    # imported (peft and transformers import it below), so it is set before anything else.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import preft  # noqa: E402  (registers the PreFT methods with PEFT)
 from peft import get_peft_model  # noqa: E402
