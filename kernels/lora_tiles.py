@@ -32,17 +32,23 @@ SINGLE_SLOT_TILE_ROWS = 64  # a one-slot plan has no tiles; these kernels cut it
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, gather_ptr, mask_ptr, slots_ptr, a_ptr, out_ptr,
-                   size_in, width, tile_rows, scale,
-                   stride_xm, stride_xk, stride_as, stride_ak, stride_an,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _this_tile(gather_ptr, mask_ptr, slots_ptr, tile_rows, BLOCK_M: tl.constexpr):
+    """This program's tile: which positions exist, their rows, 1.0 where real, and the slot."""
     tile = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     in_tile = offs_m < tile_rows
     position = tile * tile_rows + offs_m
     rows = tl.load(gather_ptr + position, mask=in_tile, other=0)
     real = tl.load(mask_ptr + position, mask=in_tile, other=0.0)
-    slot = tl.load(slots_ptr + tile)
+    return in_tile, position, rows, real, tl.load(slots_ptr + tile)
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, gather_ptr, mask_ptr, slots_ptr, a_ptr, out_ptr,
+                   size_in, width, tile_rows, scale,
+                   stride_xm, stride_xk, stride_as, stride_ak, stride_an,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    in_tile, position, rows, real, slot = _this_tile(gather_ptr, mask_ptr, slots_ptr, tile_rows, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, size_in, BLOCK_K):
@@ -62,13 +68,7 @@ def _expand_kernel(shrunk_ptr, gather_ptr, mask_ptr, slots_ptr, b_ptr, y_ptr,
                    rank, shrunk_width, first_column, size, tile_rows,
                    stride_bs, stride_bk, stride_bn, stride_ym, stride_yn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    tile = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    in_tile = offs_m < tile_rows
-    position = tile * tile_rows + offs_m
-    rows = tl.load(gather_ptr + position, mask=in_tile, other=0)
-    real = tl.load(mask_ptr + position, mask=in_tile, other=0.0)
-    slot = tl.load(slots_ptr + tile)
+    in_tile, position, rows, real, slot = _this_tile(gather_ptr, mask_ptr, slots_ptr, tile_rows, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     shrunk = tl.load(shrunk_ptr + position[:, None] * shrunk_width + first_column + offs_k[None, :],
