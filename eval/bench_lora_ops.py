@@ -21,15 +21,13 @@ the planned ops' speed-up over stock. The engine-level numbers are the throughpu
 from __future__ import annotations
 
 import math
-import platform
 import statistics
-import sys
 import time
 
 import torch
 from tqdm import tqdm
 
-from preft.eval.report import write_result
+from preft.eval.report import publish, torch_machine
 from preft.serving import lora_ops
 
 RANK = 16
@@ -127,8 +125,7 @@ def measure(name: str, dims, adapter_counts, repeats: int) -> list[dict]:
 def main(repeats: int = 15, adapter_counts: tuple[int, ...] = (1, 8, 64)) -> dict:
     rows = [row for name, dims in MODELS.items() for row in measure(name, dims, adapter_counts, repeats)]
     command = "preft bench lora-ops" + (f" --repeats {repeats}" if repeats != 15 else "")
-    result = {"command": command, "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-              "torch": torch.__version__, "rank": RANK, "rows_per_step": PROMPTS * PROMPT_TOKENS, "rows": rows}
+    result = {"command": command, **torch_machine(), "rank": RANK, "rows_per_step": PROMPTS * PROMPT_TOKENS, "rows": rows}
     table = ["| model | adapters | base matmuls (ms) | stock ops (x base) | planned ops (x base) "
              "| planned, power-of-two tiles (x base) | planned vs stock |", "|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -148,9 +145,7 @@ def main(repeats: int = 15, adapter_counts: tuple[int, ...] = (1, 8, 64)) -> dic
         "",
         *table,
     ])
-    path = write_result("lora_ops", result, markdown)
-    print(markdown)
-    print(f"written: {path} and docs/RESULTS.md", file=sys.stderr)
+    publish("lora_ops", result, markdown)
     return result
 
 

@@ -10,9 +10,7 @@ where the adapter's matmuls are a visible share of the step.
 
 from __future__ import annotations
 
-import platform
 import statistics
-import sys
 import time
 
 import torch
@@ -23,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 import preft
 from preft.data import user_examples
 from preft.demo import encode
-from preft.eval.report import write_result
+from preft.eval.report import publish, torch_machine
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -82,8 +80,7 @@ def main(repeats: int = 30, rank: int = 16) -> dict:
         compare("random Llama 512x8 (27M)", lambda: larger_random_llama(len(tokenizer)), batch, rank, repeats),
     ]
     command = "preft bench sft-step" + (f" --repeats {repeats}" if repeats != 30 else "")
-    result = {"command": command, "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-              "torch": torch.__version__, "rows": rows}
+    result = {"command": command, **torch_machine(), "rows": rows}
     table = ["| model | batch | LoRA step (ms) | LoRA-P step (ms) | LoRA-P / LoRA |", "|---|---|---|---|---|"]
     for row in rows:
         table.append(f"| {row['model']} | {row['batch_shape'][0]}x{row['batch_shape'][1]} tokens, r={row['rank']} "
@@ -98,9 +95,7 @@ def main(repeats: int = 30, rank: int = 16) -> dict:
         "",
         *table,
     ])
-    path = write_result("sft_step", result, markdown)
-    print(markdown)
-    print(f"written: {path} and docs/RESULTS.md", file=sys.stderr)
+    publish("sft_step", result, markdown)
     return result
 
 

@@ -8,9 +8,13 @@ produced it.
 from __future__ import annotations
 
 import json
+import platform
 import re
+import sys
 from pathlib import Path
 from typing import Any
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,3 +34,16 @@ def write_result(name: str, result: dict[str, Any], markdown: str, docs_dir: Pat
         text = text.rstrip() + "\n\n" + block + "\n"
     results_md.write_text(text)
     return json_path
+
+
+def torch_machine() -> dict[str, str]:
+    """Where a torch benchmark ran: CPU architecture, torch's threads, torch's version."""
+    return {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__}
+
+
+def publish(name: str, result: dict[str, Any], markdown: str) -> Path:
+    """:func:`write_result`, then show the section on stdout and say where it went."""
+    path = write_result(name, result, markdown)
+    print(markdown)
+    print(f"written: {path} and docs/RESULTS.md", file=sys.stderr)
+    return path
