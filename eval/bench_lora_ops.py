@@ -89,6 +89,11 @@ class LoraLayers:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def step_indices(count: int) -> torch.Tensor:
+    """The step's per-row adapter slots: prompt i (``PROMPT_TOKENS`` rows) on adapter i % count."""
+    return (torch.arange(PROMPTS * PROMPT_TOKENS) // PROMPT_TOKENS) % count
+
+
 def power_of_two_tile_rows(indices: torch.Tensor) -> int:
     """The earlier tile size: the power of two nearest the mean rows per adapter, at most 64."""
     mean_rows = indices.numel() / indices.unique().numel()
@@ -99,7 +104,7 @@ def measure(name: str, dims, adapter_counts, repeats: int) -> list[dict]:
     layers = LoraLayers(*dims, slots=max(adapter_counts) + 1)
     rows = []
     for count in adapter_counts:
-        indices = (torch.arange(PROMPTS * PROMPT_TOKENS) // PROMPT_TOKENS) % count  # prompt i on adapter i % count
+        indices = step_indices(count)
         plan = lora_ops.build_tile_plan(indices)
         layers.check(indices, plan)
         power_of_two_plan = lora_ops.build_tile_plan(indices, tile_rows=power_of_two_tile_rows(indices))
@@ -125,13 +130,15 @@ def measure(name: str, dims, adapter_counts, repeats: int) -> list[dict]:
 def main(repeats: int = 15, adapter_counts: tuple[int, ...] = (1, 8, 64)) -> dict:
     rows = [row for name, dims in MODELS.items() for row in measure(name, dims, adapter_counts, repeats)]
     command = "preft bench lora-ops" + (f" --repeats {repeats}" if repeats != 15 else "")
-    result = {"command": command, **torch_machine(), "rank": RANK, "rows_per_step": PROMPTS * PROMPT_TOKENS, "rows": rows}
+    result = {"command": command, **torch_machine(), "rank": RANK, "rows_per_step": PROMPTS * PROMPT_TOKENS,
+              "rows": rows}
     table = ["| model | adapters | base matmuls (ms) | stock ops (x base) | planned ops (x base) "
              "| planned, power-of-two tiles (x base) | planned vs stock |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         table.append(f"| {row['model']} | {row['adapters']} | {row['median_s']['base'] * 1e3:.1f} "
                      f"| {row['stock_over_base']:.2f}x | {row['planned_over_base']:.2f}x "
-                     f"| {row['power_of_two_tiles_over_base']:.2f}x | {row['planned_speedup_over_stock']:.1f}x faster |")
+                     f"| {row['power_of_two_tiles_over_base']:.2f}x "
+                     f"| {row['planned_speedup_over_stock']:.1f}x faster |")
     markdown = "\n".join([
         "## CPU LoRA ops on one prefill step",
         "",

@@ -1,7 +1,6 @@
 """The ops benchmark compares like with like: PreFT's planned ops add what vLLM's stock ops add."""
 
 import pytest
-import torch
 
 from preft.eval import bench_lora_ops
 from preft.serving import lora_ops
@@ -10,14 +9,14 @@ from preft.serving import lora_ops
 @pytest.mark.parametrize("count", [1, 3, 64])
 def test_planned_ops_equal_vllm_stock_ops_on_the_benchmark_step(count):
     layers = bench_lora_ops.LoraLayers(hidden=16, intermediate=24, kv=8, layers=1, slots=65)
-    indices = (torch.arange(bench_lora_ops.PROMPTS * bench_lora_ops.PROMPT_TOKENS) // bench_lora_ops.PROMPT_TOKENS) % count
+    indices = bench_lora_ops.step_indices(count)
     layers.check(indices, lora_ops.build_tile_plan(indices))  # raises on any difference
     assert all(y.abs().sum() > 0 for y in layers.outputs)
 
 
-def test_a_wrong_planned_result_is_caught(monkeypatch):
+def test_a_wrong_planned_result_is_caught():
     layers = bench_lora_ops.LoraLayers(hidden=16, intermediate=24, kv=8, layers=1, slots=9)
-    indices = (torch.arange(bench_lora_ops.PROMPTS * bench_lora_ops.PROMPT_TOKENS) // bench_lora_ops.PROMPT_TOKENS) % 8
+    indices = bench_lora_ops.step_indices(8)
     wrong = indices.roll(1)  # off by one row: the planned ops use another row's adapter
     with pytest.raises(AssertionError):
         layers.check(indices, lora_ops.build_tile_plan(wrong))

@@ -42,7 +42,8 @@ def test_rows_without_an_adapter_are_left_exactly_alone():
     lora_b = (torch.randn(2, 1, 8, 4, device=DEVICE),)
     y = torch.randn(indices.numel(), 8, device=DEVICE)
     before = y.clone()
-    triton_planned_lora_linear(y, x, lora_ops.build_tile_plan(indices), lora_ops.PlannedLoraWeights(lora_a, lora_b, (8,)), 1.0)
+    weights = lora_ops.PlannedLoraWeights(lora_a, lora_b, (8,))
+    triton_planned_lora_linear(y, x, lora_ops.build_tile_plan(indices), weights, 1.0)
     untouched = indices < 0
     assert torch.equal(y[untouched], before[untouched])
     assert (y[~untouched] - before[~untouched]).abs().min() > 0
