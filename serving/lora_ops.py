@@ -313,18 +313,18 @@ def install_planned_lora_linear(wrapper_cls) -> None:
     def update_metadata(self, *args, **kwargs):
         original_update(self, *args, **kwargs)
         self.preft_plan = build_tile_plan(self.token_lora_indices)
+        if not hasattr(self, "preft_workspace"):  # first step: the state the layers share
+            self.preft_weights: dict[int, PlannedLoraWeights] = {}  # by id of the layer's first A
+            self.preft_workspace = Workspace()
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
         plan = getattr(self, "preft_plan", None)
         if plan is None:
             return
-        layers = self.__dict__.setdefault("preft_weights", {})  # one PlannedLoraWeights per LoRA layer
-        weights = layers.get(id(lora_a_stacked[0]))
+        weights = self.preft_weights.get(id(lora_a_stacked[0]))
         if weights is None or weights.lora_a[0] is not lora_a_stacked[0]:
-            weights = layers[id(lora_a_stacked[0])] = PlannedLoraWeights(lora_a_stacked, lora_b_stacked,
-                                                                         output_slices)
-        if not hasattr(self, "preft_workspace"):
-            self.preft_workspace = Workspace()
+            weights = PlannedLoraWeights(lora_a_stacked, lora_b_stacked, output_slices)
+            self.preft_weights[id(lora_a_stacked[0])] = weights
         planned_lora_linear(y, x, plan, weights, scale, self.preft_workspace)
 
     wrapper_cls.update_metadata = update_metadata
