@@ -1,7 +1,7 @@
 """The prefill context: which tokens of a batch are prompt tokens.
 
-The one rule of PreFT: for a sequence with prompt length ``P`` and adapter start ``s``, the
-adapter is active at absolute token position ``p`` iff ``s <= p < P``. Everything here keys on
+The one rule of PreFT (:mod:`preft.rule`): for a sequence with prompt length ``P`` and adapter
+start ``s``, the adapter is active at absolute token position ``p`` iff ``s <= p < P``. Everything here keys on
 *position* (never on "this forward is a prefill"), so teacher forcing, HF ``generate`` and a
 manual decode loop agree token for token.
 
@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from preft.rule import is_active
+
 IGNORE_INDEX = -100
 CONTEXT_KWARG = "preft_context"
 
@@ -57,12 +59,11 @@ class PrefillContext:
     _masks: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def active_mask(self, adapter_start: int = 0) -> torch.Tensor:
-        """``[B, T]`` bool: True where ``adapter_start <= position < P``."""
+        """``[B, T]`` bool: True where ``adapter_start <= position < P`` (:func:`preft.rule.is_active`)."""
         if adapter_start not in self._masks:
-            mask = self.positions >= adapter_start
-            if self.prompt_lengths is not None:
-                mask = mask & (self.positions < self.prompt_lengths[:, None])
-            self._masks[adapter_start] = mask
+            everything = torch.iinfo(self.positions.dtype).max  # no P: the whole input is prompt
+            prompt_lengths = everything if self.prompt_lengths is None else self.prompt_lengths[:, None]
+            self._masks[adapter_start] = is_active(self.positions, prompt_lengths, adapter_start)
         return self._masks[adapter_start]
 
     def weights(self, adapter_start: int, dtype: torch.dtype) -> torch.Tensor:

@@ -200,6 +200,11 @@ def export_adapter(adapter_dir: str | Path, base_dir: str | Path, output_dir: st
     return manifest
 
 
+def has_manifest(bundle_dir: str | Path) -> bool:
+    """Whether ``bundle_dir`` holds a PreFT manifest (a plain PEFT/vLLM LoRA directory does not)."""
+    return (Path(bundle_dir) / MANIFEST).is_file()
+
+
 def read_manifest(bundle_dir: str | Path) -> dict[str, Any]:
     """The manifest of an exported bundle (refuses a directory that is not one)."""
     manifest = _read_json(Path(bundle_dir) / MANIFEST, "PreFT bundle manifest")

@@ -1,0 +1,9 @@
+"""Names and values shared across the package (one place each)."""
+
+#: Every linear projection of a Llama / Qwen2 / Mistral decoder layer: the benchmarks' and the
+#: demo's LoRA targets.
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+#: ``SamplingParams.extra_args`` key (``vllm_xargs`` over HTTP) that names a request's ReFT-P
+#: bundle directory; only `preft serve` sets it (a client-chosen value is refused).
+REFT_EXTRA_ARG = "preft_reft"

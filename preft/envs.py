@@ -1,0 +1,50 @@
+"""Every environment variable PreFT reads, with its meaning (vLLM's ``envs.py`` style).
+
+Read them as attributes (``from preft import envs; envs.PREFT_ALL_TOKEN``): each access reads
+the environment again, so a test's ``monkeypatch.setenv`` and a spawned vLLM process both see
+the current value. Nothing else in the project reads ``os.environ`` for a ``PREFT_*`` name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+#: name -> (how to read it, what it means)
+VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "PREFT_DEBUG": (lambda: os.environ.get("PREFT_DEBUG") == "1",
+                    "1: the preft CLI shows the traceback of an error instead of one line"),
+    "PREFT_ALL_TOKEN": (lambda: os.environ.get("PREFT_ALL_TOKEN") == "1",
+                        "1: every bundle (LoRA and ReFT) is applied to every token, the standard multi-adapter "
+                        "baseline (set by `preft serve --all-token`)"),
+    "PREFT_STOCK_LORA_OPS": (lambda: os.environ.get("PREFT_STOCK_LORA_OPS") == "1",
+                             "1: keep vLLM's own CPU LoRA ops (to measure them in the benchmarks; they are wrong "
+                             "on steps that mix adapter and no-adapter tokens)"),
+    "PREFT_REFT_SLOTS": (lambda: int(os.environ["PREFT_REFT_SLOTS"]) if os.environ.get("PREFT_REFT_SLOTS") else None,
+                         "ReFT-P bundles the engine holds at once (default: the engine's max_loras, else 8; "
+                         "set by `preft serve --max-adapters`)"),
+    "PREFT_TRACE_SCHEDULER": (lambda: os.environ.get("PREFT_TRACE_SCHEDULER") or None,
+                              "FILE: the scheduler appends one line per step, '<running requests> <distinct "
+                              "adapters>' (the tests read it)"),
+    "PREFT_SERVE_BASE": (lambda: os.environ.get("PREFT_SERVE_BASE") or None,
+                         "set by `preft serve`: the base model directory; runtime adapter loads are checked "
+                         "against it, and its presence turns on the API-server patches"),
+    "PREFT_SERVE_BASE_NAME": (lambda: os.environ.get("PREFT_SERVE_BASE_NAME") or None,
+                              "set by `preft serve`: the base model's name in the API (ReFT-P requests are "
+                              "rewritten to it)"),
+    "PREFT_SERVE_MAX_RANK": (lambda: int(os.environ.get("PREFT_SERVE_MAX_RANK", "64")),
+                             "set by `preft serve`: the largest adapter rank a runtime load may have"),
+    "PREFT_SERVE_REFT": (lambda: json.loads(os.environ.get("PREFT_SERVE_REFT") or "{}"),
+                         "set by `preft serve`: JSON {name: bundle dir} of the ReFT-P adapters given at start-up"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in VARIABLES:
+        return VARIABLES[name][0]()
+    raise AttributeError(f"module 'preft.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(VARIABLES)

@@ -1,0 +1,120 @@
+"""The one rule (``preft.rule``) and everything that reads it agree: HF's prefill context, the
+vLLM LoRA mapping, the ReFT rows, the prefix-cache keys, the scheduler's slot accounting."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from preft.context import PrefillContext
+from preft.rule import ALL_TOKEN, AdapterRule, active_scheduled_tokens, bundle_rule, is_active
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def brute_force(position: int, prompt_length: int, rule: AdapterRule) -> bool:
+    return not rule.prefill_only or rule.adapter_start <= position < prompt_length
+
+
+RULES = [ALL_TOKEN, AdapterRule(True, 0), AdapterRule(True, 3), AdapterRule(True, 9)]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=str)
+def test_every_form_of_the_rule_agrees_with_its_definition(rule):
+    prompt_length = 6
+    for first in range(10):
+        for end in range(first, 12):
+            want = any(brute_force(p, prompt_length, rule) for p in range(first, end))
+            assert rule.active_in(first, end, prompt_length) == want, (first, end)
+        assert rule.needs_adapter_from(first, prompt_length) == any(
+            brute_force(p, prompt_length, rule) for p in range(first, 40))
+        # KV of [0, end) depends on the adapter iff some position in it was ever active
+        assert rule.kv_has_adapter(first) == (not rule.prefill_only or first > rule.adapter_start)
+
+
+def test_hf_context_and_engine_tokens_use_the_same_rule():
+    """The engine's per-token view of a step (chunk of request 0, decode of request 1) equals
+    the HF context's mask at the same absolute positions."""
+    starts, prompts = np.array([2, 0]), np.array([5, 3])
+    computed, scheduled = np.array([1, 7]), np.array([6, 1])
+    request_of_token, active, last = active_scheduled_tokens(np.array([True, True]), starts, computed, prompts,
+                                                             scheduled)
+    positions = [list(range(1, 7)), [7]]
+    for row in range(2):
+        context = PrefillContext(positions=torch.tensor([positions[row]]), prompt_lengths=torch.tensor([prompts[row]]))
+        assert context.active_mask(int(starts[row]))[0].tolist() == active[request_of_token == row].tolist()
+        assert bool(last[row]) == bool(is_active(positions[row][-1], prompts[row], starts[row]))
+    assert active.tolist() == [False, True, True, True, False, False, False]
+
+
+def test_bundle_rule_reads_the_manifest_once_and_all_token_covers_every_kind(tmp_path, monkeypatch):
+    from preft.export import BUNDLE_FORMAT, MANIFEST
+
+    for kind in ("lora", "reft"):
+        bundle = tmp_path / kind
+        bundle.mkdir()
+        (bundle / MANIFEST).write_text(json.dumps({"format": BUNDLE_FORMAT, "kind": kind, "prefill_only": True,
+                                                   "adapter_start": 4}))
+        monkeypatch.delenv("PREFT_ALL_TOKEN", raising=False)
+        assert bundle_rule(bundle) == AdapterRule(True, 4)
+        monkeypatch.setenv("PREFT_ALL_TOKEN", "1")
+        assert bundle_rule(bundle) == ALL_TOKEN
+    monkeypatch.delenv("PREFT_ALL_TOKEN")
+    (tmp_path / "plain").mkdir()  # a plain vLLM LoRA directory: stock behaviour, every token
+    assert bundle_rule(tmp_path / "plain") == ALL_TOKEN
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / MANIFEST).write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="unknown bundle format"):
+        bundle_rule(tmp_path / "bad")
+
+
+def test_prefix_keys_drop_the_adapter_only_before_its_start(tmp_path):
+    from preft.export import BUNDLE_FORMAT, MANIFEST
+    from preft.serving.engine_core import block_extra_keys
+
+    for name, start in (("lora", 4), ("reft", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / MANIFEST).write_text(json.dumps({"format": BUNDLE_FORMAT, "kind": name,
+                                                            "prefill_only": True, "adapter_start": start}))
+    stock = lambda request, start, end, mm: ((("lora", 1),) if request.lora_request else None, mm)  # noqa: E731
+    lora = SimpleNamespace(lora_request=SimpleNamespace(lora_path=str(tmp_path / "lora")), sampling_params=None)
+    assert block_extra_keys(stock, lora, 0, 4, 0) == (None, 0)            # wholly before start 4: base KV
+    assert block_extra_keys(stock, lora, 4, 8, 0) == ((("lora", 1),), 0)
+    reft = SimpleNamespace(lora_request=None,
+                           sampling_params=SimpleNamespace(extra_args={"preft_reft": str(tmp_path / "reft")}))
+    assert block_extra_keys(stock, reft, 0, 2, 0) == (None, 0)
+    assert block_extra_keys(stock, reft, 2, 4, 0) == ((("preft_reft", str(tmp_path / "reft")),), 0)
+
+
+def test_serve_all_token_reaches_every_process_and_the_scheduler_is_preft(tmp_path):
+    from preft.cli import build_parser
+    from preft.serving import SCHEDULER_CLS
+    from preft.serving.server import server_environment, vllm_arguments
+
+    args = build_parser().parse_args(["serve", "--all-token", "--max-adapters", "3"])
+    env = server_environment(args, Path("base"), {})
+    assert env["PREFT_ALL_TOKEN"] == "1" and env["PREFT_REFT_SLOTS"] == "3"
+    args.lora_adapters = []
+    argv = vllm_arguments(args, Path("base"))
+    assert argv[argv.index("--scheduler-cls") + 1] == SCHEDULER_CLS
+    plain = server_environment(build_parser().parse_args(["serve"]), Path("base"), {})
+    assert "PREFT_ALL_TOKEN" not in plain
+
+
+def test_the_rule_and_the_manifest_name_live_in_one_module_each():
+    """``adapter_start <= p < P`` is written once (preft/rule.py); the manifest's file name once
+    (preft/export.py). Every other module calls them."""
+    sources = [p for d in ("preft", "serving", "kernels", "eval", "recipes") for p in (REPO / d).rglob("*.py")]
+    comparison = re.compile(r">=\s*[\w.\[\]]*start\b.*&.*<\s*[\w.\[\]]*prompt")
+    with_rule = [p.relative_to(REPO) for p in sources
+                 if any(comparison.search(line) for line in p.read_text().splitlines()
+                        if not line.lstrip().startswith(("#", ">>>", "``", "-", "*")))]
+    assert with_rule == [Path("preft/rule.py")]
+    assert [p.relative_to(REPO) for p in sources if '"preft_manifest.json"' in p.read_text()] == [
+        Path("preft/export.py")]
