@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from preft.serving.lora_ops import PlannedLoraWeights, TilePlan
+from preft.serving.lora_ops import PlannedLoraWeights
+from preft.serving.tile_plan import TilePlan
 
 BLOCK_N = 32       # output columns per program
 BLOCK_K_IN = 32    # input features per step of the shrink's loop

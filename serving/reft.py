@@ -1,91 +1,140 @@
 """ReFT-P in the vLLM engine: batched interventions on the residual stream, prompt tokens only.
 
 A request uses a ReFT-P bundle through ``SamplingParams.extra_args = {"preft_reft": BUNDLE}``
-(``preft serve`` sets it from the request's ``model``). Per engine step (worker process):
+(:data:`preft.constants.REFT_EXTRA_ARG`; ``preft serve`` sets it from the request's ``model``).
+Per engine step (worker process):
 
-1. :func:`build_step` (after vLLM's ``_prepare_inputs``) gives every scheduled token the slot
-   of its request's bundle in :class:`ReftBank` if its absolute position is in
-   ``[adapter_start, P)``, else -1, and turns that into a
-   :class:`~preft.serving.lora_ops.TilePlan` (rows tiled by slot, the layout the LoRA ops
-   use). A decode-only step has no such token and no plan.
+1. :func:`build_reft_plan` (called when the model runner has prepared the step) marks every
+   scheduled token whose position the bundle's rule makes active (:mod:`preft.rule`), gives
+   those tokens their bundle's slot in the :class:`ReftBank` (others -1) and turns that into a
+   :class:`~preft.serving.tile_plan.TilePlan`, stored in the step context. A decode-only step
+   of prefill-only requests has no such token and no plan.
 2. A forward hook on every decoder layer applies, to the plan's rows only, one batched update:
    ``h' = h + P_s^T (W_s h + b_s - k_s P_s h)`` with ``h`` the layer's output residual stream
    (vLLM returns it as ``hidden + residual``), ``P_s`` = R (LoReFT, ``k_s = 1``) or W2 (DiReFT,
-   ``k_s = 0``). Weights of all bundles are stacked per layer and gathered per tile of rows:
-   no Python loop over adapters in the hot path. Bundles of other ranks are zero-padded; a
-   bundle that does not edit a layer has zero weights there.
+   ``k_s = 0``). Weights of the resident bundles are stacked per layer and gathered per tile
+   of rows: no Python loop over adapters in the hot path. Bundles of lower rank are
+   zero-padded; a bundle that does not edit a layer has zero weights there.
 
-Prefix caching: the plugin keys a ReFT-P request's KV blocks past its ``adapter_start`` by the
-bundle (blocks before it are base-model KV and shared), so no cache salt is needed.
-
-The step context is a module global, set and read in the same worker process (nano-vllm's
-explicit context object).
+Prefix caching: the engine core keys a ReFT-P request's KV blocks from its ``adapter_start``
+on by the bundle (:mod:`preft.serving.engine_core`); blocks before it are base-model KV.
 """
 
 from __future__ import annotations
 
-import functools
+import logging
+from collections import OrderedDict
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from preft import envs
+from preft.constants import REFT_EXTRA_ARG
 from preft.export import read_manifest
-from preft.serving.lora_ops import TilePlan, build_tile_plan
+from preft.rule import active_scheduled_tokens, bundle_rule
+from preft.serving.tile_plan import TilePlan, build_tile_plan
 
-EXTRA_ARG = "preft_reft"
-
-
-@functools.lru_cache(maxsize=4096)
-def reft_adapter_start(bundle: str) -> int:
-    """First position a ReFT-P bundle edits (0 for an all-token bundle)."""
-    manifest = read_manifest(bundle)
-    return int(manifest["adapter_start"]) if manifest["prefill_only"] else 0
+logger = logging.getLogger(__name__)
+DEFAULT_SLOTS = 8
 
 
-STEP: TilePlan | None = None  # the current step's ReFT rows; None: no ReFT work this step
+def reft_bundle_of(sampling_params) -> str | None:
+    """The ReFT-P bundle a request names in its ``extra_args``, or None."""
+    if sampling_params is None:
+        return None
+    return (sampling_params.extra_args or {}).get(REFT_EXTRA_ARG) or None
+
+
+def reft_slots(lora_config) -> int:
+    """How many ReFT-P bundles an engine holds at once: ``PREFT_REFT_SLOTS``, else the engine's
+    ``max_loras`` (``--max-adapters`` of ``preft serve``), else 8. The scheduler admits at most
+    this many distinct bundles' prompt tokens per step; the bank has this many slots."""
+    configured = envs.PREFT_REFT_SLOTS
+    if configured is not None:
+        if configured < 1:
+            raise ValueError(f"PREFT_REFT_SLOTS must be >= 1, got {configured}")
+        return configured
+    return lora_config.max_loras if lora_config is not None else DEFAULT_SLOTS
 
 
 class ReftBank:
-    """Stacked weights of every ReFT-P bundle this worker has seen, one slot per bundle."""
+    """Stacked weights of the resident ReFT-P bundles, one slot per bundle, ``capacity`` slots.
 
-    def __init__(self, num_layers: int, hidden_size: int, device: torch.device) -> None:
+    Per layer ``source_and_proj`` is ``[slots, 2r, d]`` = ``[W_s; P_s]`` (one matmul gives
+    ``W h`` and ``P h``) and ``source_bias`` ``[slots, r]``, with ``r`` the largest rank
+    resident. A bundle is written into its slot when a step first needs it (one slot's
+    weights, not a re-stack of the bank); when every slot is taken, the least recently used
+    bundle that the current step does not use gives up its slot. A step never needs more than
+    ``capacity`` bundles when the engine runs :class:`~preft.serving.scheduler.PreftScheduler`;
+    without it, such a step grows the bank (logged once).
+    """
+
+    def __init__(self, num_layers: int, hidden_size: int, device: torch.device, capacity: int) -> None:
         self.num_layers, self.hidden_size, self.device = num_layers, hidden_size, device
-        self.slot_of: dict[str, int] = {}
-        self.adapter_start: list[int] = []
-        self.bundles: list[dict] = []
-        # per layer: [slots, 2r, d] = [W_s; P_s] (one matmul gives W h and P h), [slots, r] b_s
-        self.source_and_proj = self.source_bias = self.rh_sign = None
+        self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident bundle -> slot, least recent first
+        self.rank = 0
+        self.loads = 0  # bundles written into slots so far (eviction makes it exceed the bundles seen)
+        self._allocate(capacity, rank=1)
+        self._warned = False
 
-    def slot(self, bundle: str) -> int:
-        if bundle not in self.slot_of:
-            manifest = read_manifest(bundle)
-            if manifest.get("kind") != "reft":
-                raise ValueError(f"{bundle} is a {manifest.get('kind')} bundle, not ReFT-P")
-            weights = load_file(f"{bundle}/reft_weights.safetensors")
-            self.bundles.append({"manifest": manifest, "weights": weights})
-            self.adapter_start.append(int(manifest["adapter_start"]) if manifest["prefill_only"] else -1)
-            self.slot_of[bundle] = len(self.bundles) - 1
-            self._restack()
-        return self.slot_of[bundle]
+    @property
+    def capacity(self) -> int:
+        return self.rh_sign.numel()
 
-    def _restack(self) -> None:
-        slots, rank = len(self.bundles), max(b["manifest"]["rank"] for b in self.bundles)
-        shape = (self.num_layers, slots, rank, self.hidden_size)
-        proj, source_weight = torch.zeros(shape), torch.zeros(shape)
-        source_bias = torch.zeros(self.num_layers, slots, rank)
-        rh_sign = torch.zeros(slots)
-        for slot, bundle in enumerate(self.bundles):
-            manifest, weights, r = bundle["manifest"], bundle["weights"], bundle["manifest"]["rank"]
-            rh_sign[slot] = 1.0 if manifest["intervention"] == "loreft" else 0.0
-            for layer in manifest["layers"]:
-                proj[layer, slot, :r] = weights[f"layers.{layer}.proj"]
-                source_weight[layer, slot, :r] = weights[f"layers.{layer}.source_weight"]
-                source_bias[layer, slot, :r] = weights[f"layers.{layer}.source_bias"]
-        self.rank = rank
-        self.source_and_proj = torch.cat([source_weight, proj], dim=2).to(self.device)
-        self.source_bias, self.rh_sign = source_bias.to(self.device), rh_sign.to(self.device)
+    def _allocate(self, capacity: int, rank: int) -> None:
+        """(Re)allocate for ``capacity`` slots of rank ``rank``, keeping what is resident."""
+        old = getattr(self, "source_and_proj", None)
+        weights = torch.zeros(self.num_layers, capacity, 2 * rank, self.hidden_size, device=self.device)
+        bias = torch.zeros(self.num_layers, capacity, rank, device=self.device)
+        sign = torch.zeros(capacity, device=self.device)
+        if old is not None:
+            slots, r = old.shape[1], self.rank
+            weights[:, :slots, :r], weights[:, :slots, rank: rank + r] = old[:, :, :r], old[:, :, r:]
+            bias[:, :slots, :r], sign[:slots] = self.source_bias, self.rh_sign
+        self.source_and_proj, self.source_bias, self.rh_sign, self.rank = weights, bias, sign, rank
+
+    def acquire(self, bundles: list[str]) -> dict[str, int]:
+        """Slots for one step's bundles, loading the ones not resident (LRU eviction)."""
+        missing = [b for b in dict.fromkeys(bundles) if b not in self.slot_of]
+        if len(set(bundles)) > self.capacity:
+            if not self._warned:
+                self._warned = True
+                logger.warning("a step uses %d ReFT-P bundles, more than the bank's %d slots: growing it "
+                               "(run PreftScheduler to keep steps within the slots)", len(set(bundles)), self.capacity)
+            self._allocate(len(set(bundles)), self.rank)
+        free = sorted(set(range(self.capacity)) - set(self.slot_of.values()))
+        needed = set(bundles)
+        for bundle in missing:
+            if free:
+                slot = free.pop(0)
+            else:  # the least recently used bundle this step does not need
+                victim = next(b for b in self.slot_of if b not in needed)
+                slot = self.slot_of.pop(victim)
+            self._write(bundle, slot)
+            self.slot_of[bundle] = slot
+        for bundle in needed:
+            self.slot_of.move_to_end(bundle)
+        return {bundle: self.slot_of[bundle] for bundle in needed}
+
+    def _write(self, bundle: str, slot: int) -> None:
+        manifest = read_manifest(bundle)
+        if manifest.get("kind") != "reft":
+            raise ValueError(f"{bundle} is a {manifest.get('kind')} bundle, not ReFT-P")
+        weights = load_file(f"{bundle}/reft_weights.safetensors")
+        r = int(manifest["rank"])
+        if r > self.rank:
+            self._allocate(self.capacity, r)
+        rank = self.rank
+        self.source_and_proj[:, slot].zero_()
+        self.source_bias[:, slot].zero_()
+        for layer in manifest["layers"]:
+            self.source_and_proj[layer, slot, :r] = weights[f"layers.{layer}.source_weight"].to(self.device)
+            self.source_and_proj[layer, slot, rank: rank + r] = weights[f"layers.{layer}.proj"].to(self.device)
+            self.source_bias[layer, slot, :r] = weights[f"layers.{layer}.source_bias"].to(self.device)
+        self.rh_sign[slot] = 1.0 if manifest["intervention"] == "loreft" else 0.0
+        self.loads += 1
 
     def apply(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor, plan: TilePlan) -> torch.Tensor:
         """``hidden`` with the ReFT edit of ``plan``'s rows added (``hidden + residual`` is the stream)."""
@@ -111,67 +160,49 @@ class ReftBank:
         return hidden
 
 
-BANK: ReftBank | None = None
+def build_reft_plan(bank: ReftBank, bundles: list[str | None], num_computed_tokens: np.ndarray,
+                    num_prompt_tokens: np.ndarray, num_scheduled_tokens: np.ndarray) -> TilePlan | None:
+    """The plan of one step's ReFT-P rows: per request its bundle (or None), where its scheduled
+    tokens start, ``P`` and how many are scheduled. Slots are acquired only for bundles with an
+    active token this step."""
+    has_bundle = np.array([bundle is not None for bundle in bundles], dtype=bool)
+    if not has_bundle.any():
+        return None
+    rules = [bundle_rule(bundle) if bundle else None for bundle in bundles]
+    request_of_token, token_active, _ = active_scheduled_tokens(
+        np.array([rule is not None and rule.prefill_only for rule in rules], dtype=bool),
+        np.array([rule.adapter_start if rule else 0 for rule in rules], dtype=np.int64),
+        np.asarray(num_computed_tokens, dtype=np.int64), np.asarray(num_prompt_tokens, dtype=np.int64),
+        num_scheduled_tokens,
+    )
+    token_active &= has_bundle[request_of_token]
+    if not token_active.any():
+        return None
+    using = sorted(set(np.unique(request_of_token[token_active]).tolist()))
+    slot_of = bank.acquire([bundles[r] for r in using])
+    request_slot = np.full(len(bundles), -1, dtype=np.int64)
+    for r in using:
+        request_slot[r] = slot_of[bundles[r]]
+    token_slot = np.where(token_active, request_slot[request_of_token], -1)
+    return build_tile_plan(torch.from_numpy(token_slot).to(bank.device))
 
 
-def _request_slot(state) -> tuple[int, int]:
-    """``(slot, adapter_start)`` of a request's ReFT bundle, ``(-1, 0)`` without one; cached on
-    vLLM's per-request state, which lives as long as the request."""
-    cached = getattr(state, "preft_reft_slot", None)
-    if cached is None:
-        params = state.sampling_params
-        bundle = (params.extra_args or {}).get(EXTRA_ARG) if params is not None else None
-        if bundle:
-            slot = BANK.slot(bundle)
-            cached = (slot, BANK.adapter_start[slot])
-        else:
-            cached = (-1, 0)
-        state.preft_reft_slot = cached
-    return cached
-
-
-def build_step(runner, num_scheduled_tokens: np.ndarray) -> None:
-    """Set :data:`STEP` for the step vLLM just prepared (``runner`` is its model runner)."""
-    global STEP
-    STEP = None
-    if BANK is None:
-        return
-    batch = runner.input_batch
-    n = batch.num_reqs
-    found = [_request_slot(runner.requests[req_id]) for req_id in batch.req_ids[:n]]
-    slots = np.array([slot for slot, _ in found], dtype=np.int64)
-    if n == 0 or (slots < 0).all():
-        return
-    start = np.array([start for _, start in found], dtype=np.int64)
-    scheduled = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
-    request = np.repeat(np.arange(n), scheduled)
-    first = np.cumsum(scheduled) - scheduled
-    position = batch.num_computed_tokens_cpu[:n].astype(np.int64)[request] + np.arange(request.size) - first[request]
-    in_prompt = (position >= start[request]) & (position < batch.num_prompt_tokens[:n].astype(np.int64)[request])
-    active = (slots[request] >= 0) & ((start[request] < 0) | in_prompt)  # start -1: an all-token bundle
-    if active.any():
-        STEP = build_tile_plan(torch.from_numpy(np.where(active, slots[request], -1)).to(BANK.device))
-
-
-def install_hooks(model: nn.Module, config) -> None:
-    """Hook every decoder layer of a loaded vLLM model (once per worker)."""
-    global BANK
-    layers = None
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers of a loaded vLLM model (the first ``ModuleList`` named ``layers``)."""
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers":
-            layers = module
-            break
-    if layers is None:
-        return
-    device = next(model.parameters()).device
-    BANK = ReftBank(len(layers), config.hidden_size, device)
+            return module
+    return None
 
+
+def install_hooks(layers: nn.ModuleList, bank: ReftBank, step_plan) -> None:
+    """Hook every decoder layer: apply ``bank``'s edit to the rows of ``step_plan()``."""
     for index, layer in enumerate(layers):
         def hook(module, inputs, output, layer_index=index):
-            plan = STEP
+            plan = step_plan()
             if plan is None or not isinstance(output, tuple) or output[1] is None:
                 return output
             hidden, residual = output
-            return BANK.apply(layer_index, hidden, residual, plan), residual
+            return bank.apply(layer_index, hidden, residual, plan), residual
 
         layer.register_forward_hook(hook)

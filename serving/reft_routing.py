@@ -2,19 +2,23 @@
 
 vLLM's server knows base models and LoRA adapters only. An ASGI middleware in front of it
 turns a request for ReFT-P adapter ``NAME`` into a request for the base model with
-``vllm_xargs = {"preft_reft": BUNDLE}``, read by the engine hooks (:mod:`preft.serving.reft`)
-and by the plugin's prefix-cache keys (blocks past ``adapter_start`` are keyed by the bundle). ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with
-a ReFT-P bundle register and drop names here; ``/v1/models`` lists them.
+``vllm_xargs = {"preft_reft": BUNDLE}`` (:data:`preft.constants.REFT_EXTRA_ARG`), read by the
+engine hooks (:mod:`preft.serving.reft`) and by the prefix-cache keys (blocks from
+``adapter_start`` on are keyed by the bundle). ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` with a ReFT-P bundle register and drop names here; ``/v1/models``
+lists them.
 
-Active only under ``preft serve`` (which sets ``PREFT_SERVE_*``), in the API server process.
+Active only under ``preft serve`` (which sets ``PREFT_SERVE_*``, :mod:`preft.envs`), in the API
+server process (:mod:`preft.serving.api_server` installs it).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from preft import envs
+from preft.constants import REFT_EXTRA_ARG
 from preft.export import ExportError, read_manifest
 
 #: ReFT-P adapter name -> bundle directory, in the API server process
@@ -23,7 +27,7 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def load_start_up_adapters() -> None:
-    REFT_ADAPTERS.update(json.loads(os.environ.get("PREFT_SERVE_REFT", "{}")))
+    REFT_ADAPTERS.update(envs.PREFT_SERVE_REFT)
 
 
 def is_reft_bundle(path: str) -> bool:
@@ -72,14 +76,14 @@ class ReftRoutingMiddleware:
         except json.JSONDecodeError:
             data = None
         if isinstance(data, dict):
-            if path in COMPLETION_PATHS and "preft_reft" in (data.get("vllm_xargs") or {}):
+            if path in COMPLETION_PATHS and REFT_EXTRA_ARG in (data.get("vllm_xargs") or {}):
                 # only the server picks bundles: a client-chosen path would reach the engine unchecked
-                return await _respond(send, 400, _error("vllm_xargs.preft_reft is reserved; name a ReFT-P adapter in "
-                                                        "'model' instead", 400))
+                return await _respond(send, 400, _error(f"vllm_xargs.{REFT_EXTRA_ARG} is reserved; name a ReFT-P "
+                                                        "adapter in 'model' instead", 400))
             if path in COMPLETION_PATHS and data.get("model") in REFT_ADAPTERS:
                 bundle = REFT_ADAPTERS[data["model"]]
-                data["model"] = os.environ.get("PREFT_SERVE_BASE_NAME", data["model"])
-                data["vllm_xargs"] = {**(data.get("vllm_xargs") or {}), "preft_reft": bundle}
+                data["model"] = envs.PREFT_SERVE_BASE_NAME or data["model"]
+                data["vllm_xargs"] = {**(data.get("vllm_xargs") or {}), REFT_EXTRA_ARG: bundle}
                 body = json.dumps(data).encode()
             elif path == "/v1/load_lora_adapter" and is_reft_bundle(str(data.get("lora_path", ""))):
                 return await self._load(send, data)
@@ -110,7 +114,7 @@ class ReftRoutingMiddleware:
         if name in REFT_ADAPTERS and not data.get("load_inplace"):
             return await _respond(send, 400, _error(f"The adapter '{name}' has already been loaded.", 400))
         try:
-            check_bundle(name, path, Path(os.environ["PREFT_SERVE_BASE"]), int(os.environ["PREFT_SERVE_MAX_RANK"]))
+            check_bundle(name, path, Path(envs.PREFT_SERVE_BASE), envs.PREFT_SERVE_MAX_RANK)
         except ExportError as err:
             return await _respond(send, 400, _error(str(err), 400))
         REFT_ADAPTERS[name] = path

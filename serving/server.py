@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from preft.export import ExportError, check_finite, load_tensors, read_manifest
+from preft.serving import SCHEDULER_CLS
 
 
 def check_bundle(name: str, path: str, base_dir: Path, max_rank: int) -> dict:
@@ -49,6 +50,7 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
         "--model", str(base_dir), "--host", args.host, "--port", str(args.port),
         "--enable-lora", "--max-loras", str(args.max_adapters), "--max-lora-rank", str(args.max_rank),
         "--max-model-len", str(args.max_model_len), "--enforce-eager", "--dtype", args.dtype,
+        "--scheduler-cls", SCHEDULER_CLS,
     ]
     served_name = args.served_model_name or ("base" if args.model == "default" else None)
     if served_name:
@@ -56,6 +58,23 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
     if args.lora_adapters:
         argv += ["--lora-modules", *args.lora_adapters]
     return argv + list(args.vllm_args)
+
+
+def server_environment(args, base_dir: Path, reft_adapters: dict[str, str]) -> dict[str, str]:
+    """The server's environment: vLLM's settings and PreFT's (each is described in :mod:`preft.envs`)."""
+    env = dict(os.environ)
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    # the API server checks bundles loaded at run time against these (preft.serving.api_server)
+    env["PREFT_SERVE_BASE"], env["PREFT_SERVE_MAX_RANK"] = str(base_dir), str(args.max_rank)
+    env["PREFT_SERVE_REFT"] = json.dumps(reft_adapters)
+    env["PREFT_SERVE_BASE_NAME"] = args.served_model_name or ("base" if args.model == "default" else str(base_dir))
+    env["PREFT_REFT_SLOTS"] = str(args.max_adapters)  # --max-adapters bounds ReFT-P bundles too
+    if args.all_token:
+        env["PREFT_ALL_TOKEN"] = "1"
+    else:
+        env.pop("PREFT_ALL_TOKEN", None)
+    return env
 
 
 def serve(args) -> int:
@@ -75,15 +94,7 @@ def serve(args) -> int:
         else:
             args.lora_adapters.append(spec)
 
-    env = dict(os.environ)
-    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    # the plugin checks bundles loaded at run time against these (see plugin.check_runtime_loads)
-    env["PREFT_SERVE_BASE"], env["PREFT_SERVE_MAX_RANK"] = str(base_dir), str(args.max_rank)
-    env["PREFT_SERVE_REFT"] = json.dumps(reft_adapters)
-    env["PREFT_SERVE_BASE_NAME"] = args.served_model_name or ("base" if args.model == "default" else str(base_dir))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
-    if args.all_token:
-        env["PREFT_ALL_TOKEN"] = "1"
+    env = server_environment(args, base_dir, reft_adapters)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_arguments(args, base_dir)]
     print("preft serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
     os.execve(sys.executable, argv, env)  # the server replaces this process
@@ -94,7 +105,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default="default", help="base model directory ('default' = the embedded model)")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=BUNDLE",
                         help="serve the bundle at BUNDLE (from `preft export`) as model NAME; repeatable")
-    parser.add_argument("--max-adapters", type=int, default=8, help="adapter slots in the engine (default 8)")
+    parser.add_argument("--max-adapters", type=int, default=8,
+                        help="adapter slots in the engine, LoRA and ReFT-P each: adapters whose prompts are "
+                             "prefilled in one step (default 8)")
     parser.add_argument("--max-rank", type=int, default=64, help="largest adapter rank accepted (default 64)")
     parser.add_argument("--max-model-len", type=int, default=512, help="longest prompt + completion (default 512)")
     parser.add_argument("--dtype", default="auto",
@@ -104,6 +117,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="name of the base model in the API (default: 'base' for the embedded model, else its path)")
     parser.add_argument("--all-token", action="store_true",
-                        help="apply every adapter to all tokens (standard multi-LoRA; the baseline)")
+                        help="apply every adapter (LoRA and ReFT) to all tokens: the standard multi-adapter baseline")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("vllm_args", nargs="*", help="after --: extra vLLM server arguments")

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +10,6 @@ import torch
 from transformers import AutoConfig
 
 from conftest import PROMPTS, hf_greedy, load_base
-
-HELPERS = Path(__file__).parent / "helpers"
 
 
 def test_default_model_is_shipped_small_and_documented(base_path):
@@ -42,15 +37,11 @@ def test_default_model_learned_the_corpus(base_path, tokenizer):
 @pytest.mark.slow
 @torch.no_grad()
 def test_default_model_in_vllm_matches_hf(base_path, tokenizer):
+    from preft.serving.engine_driver import EngineProcess
+
     new_tokens = 8
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run(
-        [sys.executable, str(HELPERS / "vllm_greedy.py"), base_path, str(new_tokens), *PROMPTS],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    from_vllm = json.loads(lines[0].removeprefix("RESULT "))
+    with EngineProcess(base_path) as engine:
+        from_vllm = engine.generate([{"prompt": prompt} for prompt in PROMPTS], new_tokens)["tokens"]
 
     model = load_base(base_path)
     for prompt, tokens in zip(PROMPTS, from_vllm):

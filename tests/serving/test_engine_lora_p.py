@@ -8,24 +8,19 @@ cache).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import preft
 from conftest import hf_greedy, load_base, strengthen_reft
+from preft.constants import ALL_PROJECTIONS
 from preft.export import export_adapter
+from preft.serving.engine_driver import EngineProcess
 
-HELPER = Path(__file__).resolve().parents[1] / "helpers" / "vllm_engine.py"
 NEW_TOKENS = 8
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 1 5 9 2 6 =", "the quiet", "a=7 b=2 c=9 d=4 ; c =", "sort 8 2 1 9 ="]
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(ALL_PROJECTIONS)
 ADAPTERS = {
     "alice": lambda: preft.PreftLoraConfig(r=8, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False),
     "bob": lambda: preft.PreftLoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"],
@@ -66,20 +61,27 @@ def requests_and_reference(bundles, base_path, tokenizer):
     return requests, reference
 
 
-def run_engine(base_path, tmp_path, requests, engine, rounds=1, new_tokens=NEW_TOKENS, stdout=None,
-               sequential=False):
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"model": base_path, "engine": engine, "max_tokens": new_tokens, "rounds": rounds,
-                                "requests": requests, "report_preemptions": stdout is not None,
-                                "sequential": sequential}))
-    proc = subprocess.run([sys.executable, str(HELPER), str(spec)], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
-    (tmp_path / "stderr.log").write_text(proc.stdout + proc.stderr)
-    if stdout is not None:
-        stdout.extend(proc.stdout.splitlines())
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, "\n".join(l for l in proc.stderr.splitlines() if "File" in l or "Error" in l)[-6000:]
-    return json.loads(lines[0].removeprefix("RESULT "))
+def run_engine(base_path, tmp_path, requests, engine, rounds=1, new_tokens=NEW_TOKENS, metrics=None,
+               sequential=False, env=None):
+    """Greedy tokens of ``requests`` from a fresh engine (per round: the same batch again, hitting
+    the prefix cache). A request names its adapter and bundle; ``reft`` marks a ReFT-P bundle.
+    ``metrics`` (a dict) receives vLLM's counters (needs ``disable_log_stats=False``)."""
+    lora_ids: dict[str, int] = {}
+    driver_requests = []
+    for request in requests:
+        entry = {"prompt": request["prompt"]}
+        if request.get("reft"):
+            entry["reft"] = request["bundle"]
+        elif request.get("adapter"):
+            lora_id = lora_ids.setdefault(request["adapter"], len(lora_ids) + 1)
+            entry["lora"] = [request["adapter"], lora_id, request["bundle"]]
+        driver_requests.append(entry)
+    with EngineProcess(base_path, engine, env=env, log_path=tmp_path / "engine.log") as driver:
+        results = [driver.generate(driver_requests, new_tokens, sequential=sequential)["tokens"]
+                   for _ in range(rounds)]
+        if metrics is not None:
+            metrics.update(driver.metrics())
+    return results
 
 
 @pytest.mark.slow
@@ -126,12 +128,11 @@ def test_preemption_recompute_keeps_the_rule(bundles, base_path, tokenizer, tmp_
     models = {None: load_base(base_path)}
     models.update({n: PeftModel.from_pretrained(load_base(base_path), bundles[n][0]).eval() for n in names if n})
     reference = [hf_greedy(models[r["adapter"]], tokenizer, r["prompt"], new_tokens) for r in requests]
-    stdout: list[str] = []
+    metrics: dict = {}
     engine = {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "num_gpu_blocks_override": 3,
               "max_model_len": 256, "disable_log_stats": False}
-    tokens = run_engine(base_path, tmp_path, requests, engine, new_tokens=new_tokens, stdout=stdout)[0]
-    preemptions = [json.loads(line.split(" ", 1)[1]) for line in stdout if line.startswith("PREEMPTIONS ")]
-    assert preemptions and preemptions[0] > 0, "the engine was expected to preempt"
+    tokens = run_engine(base_path, tmp_path, requests, engine, new_tokens=new_tokens, metrics=metrics)[0]
+    assert metrics["preemptions"] > 0, "the engine was expected to preempt"
     mismatches = [(r["prompt"], r["adapter"]) for r, got, want in zip(requests, tokens, reference) if got != want]
     assert not mismatches, mismatches
 
@@ -184,11 +185,11 @@ def test_blocks_before_adapter_start_are_shared(base_path, tokenizer, tmp_path):
     requests = [{"prompt": prompt, "adapter": n, "bundle": bundle.get(n), "reft": bool(n) and n.startswith("reft")}
                 for n in order]
     reference = {name: hf_greedy(model, tokenizer, prompt, NEW_TOKENS) for name, model in models.items()}
-    stdout: list[str] = []
+    metrics: dict = {}
     engine = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_model_len": 512,
               "disable_log_stats": False}
-    tokens = run_engine(base_path, tmp_path, requests, engine, stdout=stdout, sequential=True)[0]
+    tokens = run_engine(base_path, tmp_path, requests, engine, metrics=metrics, sequential=True)[0]
     assert [t == reference[r["adapter"]] for r, t in zip(requests, tokens)] == [True] * len(order)
-    hits = [json.loads(line.split(" ", 1)[1]) for line in stdout if line.startswith("PREFIX_HITS ")][0]
+    hits = metrics["prefix_hits"]
     # hits: lora_late (base block), the second lora_early, reft_late (base block), the last base
     assert hits == 4 * 128

@@ -66,3 +66,59 @@ def test_engine_reft_matches_hf_reference(setup, base_path, tmp_path, engine, ro
         mismatches = [(r["prompt"], r["adapter"], got, want)
                       for r, got, want in zip(requests, round_tokens, reference) if got != want]
         assert not mismatches, mismatches[:3]
+
+
+def all_token(model):
+    """The same adapter applied to every token (what `preft serve --all-token` serves)."""
+    from preft.tuners.reft_p.layer import ReftLayer
+
+    for module in model.modules():
+        if isinstance(module, ReftLayer):
+            module.prefill_only = {name: False for name in module.prefill_only}
+    return model
+
+
+@pytest.mark.slow
+def test_all_token_applies_to_reft_p_bundles(tmp_path, base_path, tokenizer):
+    """``PREFT_ALL_TOKEN=1`` (``preft serve --all-token``) serves a ReFT-P bundle on every
+    token, like LoRA bundles; without it the same bundle is prefill-only. Each run equals its
+    own HF reference, and the two references differ (the flag has an effect to check)."""
+    torch.manual_seed(7)
+    config = preft.PreftReftConfig(rank=4, layers=[0, 1, 2, 3], intervention="loreft", init_weights=False,
+                                   adapter_start=1)
+    strengthen_reft(get_peft_model(load_base(base_path), config)).save_pretrained(tmp_path / "reft")
+    export_adapter(tmp_path / "reft", base_path, tmp_path / "reft.bundle")
+    model = PeftModel.from_pretrained(load_base(base_path), tmp_path / "reft").eval()
+    prefill_only = [hf_greedy(model, tokenizer, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    every_token = [hf_greedy(all_token(model), tokenizer, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    assert prefill_only != every_token
+    requests = [{"prompt": p, "adapter": "reft", "reft": True, "bundle": str(tmp_path / "reft.bundle")}
+                for p in PROMPTS]
+    engine = {"max_num_batched_tokens": 8, "max_num_seqs": 4}  # chunked prefill too
+    assert run_engine(base_path, tmp_path, requests, engine)[0] == prefill_only
+    assert run_engine(base_path, tmp_path, requests, engine, env={"PREFT_ALL_TOKEN": "1"})[0] == every_token
+
+
+@pytest.mark.slow
+def test_more_reft_bundles_than_slots(tmp_path, base_path, tokenizer):
+    """Five ReFT-P bundles on a 2-slot engine (``PREFT_REFT_SLOTS=2``): the scheduler lets at most
+    two bundles' prompt tokens into a step, the bank evicts the least recently used bundle for
+    the next (never growing), and every answer equals HF's, over two rounds."""
+    requests, reference = [], []
+    for index in range(5):
+        torch.manual_seed(400 + index)
+        config = preft.PreftReftConfig(rank=2 + index % 3, layers=[index % 4, (index + 2) % 4],
+                                       intervention=("loreft", "direft")[index % 2], init_weights=False,
+                                       adapter_start=index % 2)
+        strengthen_reft(get_peft_model(load_base(base_path), config)).save_pretrained(tmp_path / f"r{index}")
+        export_adapter(tmp_path / f"r{index}", base_path, tmp_path / f"r{index}.bundle")
+        model = PeftModel.from_pretrained(load_base(base_path), tmp_path / f"r{index}").eval()
+        for prompt in PROMPTS[index % 2::2]:
+            requests.append({"prompt": prompt, "adapter": f"r{index}", "reft": True,
+                             "bundle": str(tmp_path / f"r{index}.bundle")})
+            reference.append(hf_greedy(model, tokenizer, prompt, NEW_TOKENS))
+    rounds = run_engine(base_path, tmp_path, requests, {"max_num_seqs": 8}, rounds=2, env={"PREFT_REFT_SLOTS": "2"})
+    for tokens in rounds:
+        mismatches = [(r["adapter"], r["prompt"]) for r, got, want in zip(requests, tokens, reference) if got != want]
+        assert not mismatches, mismatches
+    assert "growing it" not in (tmp_path / "engine.log").read_text()

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from preft.serving import lora_ops
-from preft.serving.lora_mapping import AdapterRule, prefill_only_mapping
+from preft.serving.tile_plan import build_tile_plan
+from preft.rule import AdapterRule
+from preft.serving.lora_mapping import prefill_only_mapping
 
 
 def test_mapping_keys_on_position_not_on_step_kind():
@@ -106,7 +108,7 @@ def test_planned_lora_linear_matches_a_per_row_reference(indices):
     lora_b = tuple(torch.randn(slots, 1, size + 1, rank) for size in slices)  # B may be wider than the slice
     y = torch.randn(rows + 2, sum(slices))
     expected = _per_row_lora_reference(y, x, indices, lora_a, lora_b, 0.5, slices)
-    plan = lora_ops.build_tile_plan(indices, tile_rows=4 if indices.numel() > 40 else None)
+    plan = build_tile_plan(indices, tile_rows=4 if indices.numel() > 40 else None)
     weights = lora_ops.PlannedLoraWeights(lora_a, lora_b, slices)
     lora_ops.planned_lora_linear(y, x, plan, weights, 0.5)
     assert torch.allclose(y, expected, atol=1e-4)
@@ -125,7 +127,7 @@ def test_planned_weights_follow_vllm_writing_an_adapter_into_a_slot():
     def step(indices):
         indices = torch.tensor(indices)
         y = torch.zeros(rows, sum(slices))
-        lora_ops.planned_lora_linear(y, x, lora_ops.build_tile_plan(indices), weights, 1.0)
+        lora_ops.planned_lora_linear(y, x, build_tile_plan(indices), weights, 1.0)
         return y, _per_row_lora_reference(torch.zeros(rows, sum(slices)), x, indices, lora_a, lora_b, 1.0, slices)
 
     for indices in ([0, 0, 1, 1, -1, 1, 0, 0], [1] * rows):
@@ -141,7 +143,7 @@ def test_planned_weights_follow_vllm_writing_an_adapter_into_a_slot():
 
 def test_tile_plan_groups_rows_by_slot_with_little_padding():
     indices = torch.tensor([5] * 40 + [-1] * 3 + [2] * 7 + [5] * 24)
-    plan = lora_ops.build_tile_plan(indices)
+    plan = build_tile_plan(indices)
     assert plan.single_slot is None and plan.num_rows == indices.numel()
     assert plan.tile_rows == 32  # 7 + 64 rows: 3 tiles of 32 compute fewer rows than 2 of 64 or 5 of 16
     # slot 2: 1 tile, slot 5: 64 rows = 2 tiles, plus the trailing padding tile
@@ -154,7 +156,7 @@ def test_tile_plan_groups_rows_by_slot_with_little_padding():
             assert plan.tile_slots[tiles_of_row[row]] == slot and plan.gather[plan.untile[row]] == row
         else:
             assert not real[plan.untile[row]]
-    assert lora_ops.build_tile_plan(torch.full((6,), -1)) is None  # a decode-only LoRA-P step: no work
+    assert build_tile_plan(torch.full((6,), -1)) is None  # a decode-only LoRA-P step: no work
 
 
 @pytest.mark.parametrize("group_rows, tile_rows", [
@@ -165,7 +167,7 @@ def test_tile_plan_groups_rows_by_slot_with_little_padding():
 ])
 def test_tile_size_keeps_padding_small(group_rows, tile_rows):
     indices = torch.cat([torch.full((rows,), slot) for slot, rows in enumerate(group_rows)])
-    plan = lora_ops.build_tile_plan(indices)
+    plan = build_tile_plan(indices)
     assert plan.tile_rows == tile_rows
     tiles = sum(-(-rows // tile_rows) for rows in group_rows) + 1  # + the trailing padding tile
     assert plan.tile_slots.numel() == tiles

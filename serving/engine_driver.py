@@ -1,0 +1,150 @@
+"""One vLLM engine (PreFT plugin and scheduler) in its own long-lived process, driven over pipes.
+
+vLLM's CPU engine spawns processes and holds process-wide patches, so the tests and the
+benchmarks run each engine configuration in a child process and talk to it with one JSON
+command per line::
+
+    with EngineProcess(model_dir, {"enable_lora": True, "max_loras": 4}) as engine:
+        tokens = engine.generate([{"prompt": "add 1 2 =", "lora": ["alice", 1, BUNDLE]},
+                                  {"prompt": "the quiet", "reft": REFT_BUNDLE}], max_tokens=8)["tokens"]
+
+A request is ``{"prompt": str, "lora": [name, int id, bundle dir] | None, "reft": bundle dir |
+None}``; greedy decoding, exactly ``max_tokens`` tokens: EOS is never picked (``min_tokens``, as
+HF's ``min_new_tokens``: the parity tests) or picked and ignored (``ignore_eos``: the throughput
+benchmark, which spares the logits processor). ``generate`` answers the
+generated token ids of every request and the seconds ``llm.generate`` took (timed in the
+engine's process); ``metrics`` answers vLLM's preemption and prefix-cache-hit counters (engine
+setting ``disable_log_stats=False``). The child prints vLLM's logs to the log file and our
+answers behind :data:`MARKER` on stdout.
+
+    python -m preft.serving.engine_driver SPEC.json    (the child; SPEC = {"model": dir, "engine": {LLM kwargs}})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MARKER = "PREFT_ENGINE "
+#: engine settings unless a spec overrides them: float32 (HF parity), eager (CPU LoRA has no
+#: torch.compile), PreFT's scheduler
+ENGINE_DEFAULTS = {"dtype": "float32", "max_model_len": 256, "seed": 0, "enforce_eager": True}
+
+
+class EngineProcess:
+    """The parent's handle on one engine process (see the module docstring)."""
+
+    def __init__(self, model: str, engine: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 log_path: str | Path | None = None, timeout_s: float = 600) -> None:
+        self.workdir = tempfile.TemporaryDirectory(prefix="preft-engine-")
+        spec = Path(self.workdir.name) / "spec.json"
+        spec.write_text(json.dumps({"model": model, "engine": engine or {}}))
+        self.log_path = Path(log_path) if log_path else Path(self.workdir.name) / "engine.log"
+        self.log = self.log_path.open("w+")
+        environment = dict(os.environ)
+        environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        environment.update(env or {})
+        self.timeout_s = timeout_s
+        self.proc = subprocess.Popen([sys.executable, "-m", "preft.serving.engine_driver", str(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=environment)
+        self._read()  # ready
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARKER):
+                answer = json.loads(line.removeprefix(MARKER))
+                if "error" in answer:
+                    raise RuntimeError(f"engine process: {answer['error']}\n{self.log_tail()}")
+                return answer
+        raise RuntimeError(f"engine process ended (rc={self.proc.wait()})\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 6000) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-chars:]
+
+    def _ask(self, command: dict) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, requests: list[dict], max_tokens: int, sequential: bool = False,
+                 ignore_eos: bool = False) -> dict:
+        """``{"tokens": [[ids] per request], "seconds": s}``; ``sequential``: one request at a time."""
+        return self._ask({"generate": requests, "max_tokens": max_tokens, "sequential": sequential,
+                          "ignore_eos": ignore_eos})
+
+    def metrics(self) -> dict:
+        """``{"preemptions": n, "prefix_hits": tokens}`` (needs ``disable_log_stats=False``)."""
+        return self._ask({"metrics": True})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.log.close()
+        self.workdir.cleanup()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _reply(message: dict) -> None:
+    print(MARKER + json.dumps(message), flush=True)
+
+
+def _serve(spec: dict) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from preft.constants import REFT_EXTRA_ARG
+    from preft.serving import SCHEDULER_CLS
+
+    llm = LLM(model=spec["model"], **{**ENGINE_DEFAULTS, "scheduler_cls": SCHEDULER_CLS, **spec["engine"]})
+    _reply({"ready": True})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        if command.get("metrics"):
+            metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+            _reply({"preemptions": metrics.get("vllm:num_preemptions", 0),
+                    "prefix_hits": metrics.get("vllm:prefix_cache_hits", 0)})
+            continue
+        n = command["max_tokens"]
+        length = {"ignore_eos": True} if command.get("ignore_eos") else {"min_tokens": n}
+        prompts, params, loras = [], [], []
+        for request in command["generate"]:
+            prompts.append(request["prompt"])
+            extra = {REFT_EXTRA_ARG: request["reft"]} if request.get("reft") else None
+            params.append(SamplingParams(temperature=0.0, max_tokens=n, extra_args=extra, **length))
+            loras.append(LoRARequest(*request["lora"]) if request.get("lora") else None)
+        started = time.perf_counter()
+        if command.get("sequential"):  # one request at a time, in order (prefix-cache tests)
+            outputs = [llm.generate([p], q, lora_request=[r], use_tqdm=False)[0]
+                       for p, q, r in zip(prompts, params, loras)]
+        else:
+            outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        _reply({"tokens": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds})
+
+
+if __name__ == "__main__":
+    try:
+        _serve(json.loads(Path(sys.argv[1]).read_text()))
+    except Exception as err:  # the parent shows it with the log's tail
+        _reply({"error": f"{type(err).__name__}: {err}"})
+        raise

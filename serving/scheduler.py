@@ -1,0 +1,81 @@
+"""``PreftScheduler``: vLLM's scheduler, aware that prefill-only requests decode without adapters.
+
+Passed to vLLM as ``scheduler_cls`` (:data:`preft.serving.SCHEDULER_CLS`; ``preft serve`` and
+:mod:`preft.serving.engine_driver` do it; with ``vllm.LLM`` pass
+``scheduler_cls=preft.serving.SCHEDULER_CLS``). It runs in the engine-core process. The
+scheduling policies of the next issues subclass it.
+
+- **LoRA slots** (``max_loras``): a running prefill-only request with no active position left
+  (:meth:`~preft.rule.AdapterRule.needs_adapter_from`) decodes on the base model, so its
+  adapter is hidden from vLLM's ``max_loras`` admission check for the duration of
+  ``schedule()``: ``--max-adapters`` bounds concurrent *prefills*, not concurrent requests.
+  A preempted request is recomputed from its prompt and counts again.
+- **ReFT-P slots**: at most :func:`~preft.serving.reft.reft_slots` distinct ReFT-P bundles
+  have active tokens in one step (the worker's bank has that many slots). A request whose
+  chunk would need one more is left for a later step (``_reserve_prefill_lookahead``
+  returning 0: a running request waits a step; admission stops, first come first served).
+- ``PREFT_TRACE_SCHEDULER=FILE`` appends, per step, how many running requests and distinct
+  LoRA adapters there are (used by the tests).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from preft import envs
+from preft.rule import bundle_rule
+from preft.serving.patching import require
+from preft.serving.reft import reft_bundle_of, reft_slots
+
+# the internals this subclass relies on (a vLLM release that moves them fails here, loudly)
+for _name in ("schedule", "_reserve_prefill_lookahead", "update_from_output"):
+    require(Scheduler, _name)
+
+
+def _decoding_without_adapter(request) -> bool:
+    lora = request.lora_request
+    if lora is None:
+        return False
+    return not bundle_rule(lora.lora_path).needs_adapter_from(request.num_computed_tokens, request.num_prompt_tokens)
+
+
+class PreftScheduler(Scheduler):
+    """vLLM's ``Scheduler`` with PreFT's adapter-slot accounting (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reft_slots = reft_slots(self.lora_config)
+        self.step_reft_bundles: set[str] = set()
+
+    def schedule(self, *args, **kwargs):
+        self.step_reft_bundles = set()
+        hidden = []
+        if self.lora_config:
+            for request in self.running:
+                if _decoding_without_adapter(request):
+                    hidden.append((request, request.lora_request))
+                    request.lora_request = None
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            for request, lora_request in hidden:
+                request.lora_request = lora_request
+        trace = envs.PREFT_TRACE_SCHEDULER
+        if trace and self.running:
+            adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+            with open(trace, "a") as handle:
+                handle.write(f"{len(self.running)} {len(adapters)}\n")
+        return output
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        bundle = reft_bundle_of(getattr(request, "sampling_params", None))
+        if not num_new_tokens or bundle is None or bundle in self.step_reft_bundles:
+            return num_new_tokens
+        if not bundle_rule(bundle).active_in(num_computed_tokens, num_computed_tokens + num_new_tokens,
+                                             request.num_prompt_tokens):
+            return num_new_tokens
+        if len(self.step_reft_bundles) >= self.reft_slots:
+            return 0  # every ReFT-P slot of this step is taken: a later step
+        self.step_reft_bundles.add(bundle)
+        return num_new_tokens

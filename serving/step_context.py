@@ -1,0 +1,41 @@
+"""The worker's per-step context: what the adapter code of one engine step needs to know.
+
+As in nano-vllm (``nanovllm/utils/context.py``): one explicit object, set when the model
+runner has prepared a step's inputs (:func:`preft.serving.worker.prepare_inputs`), read by the
+layers during the forward (the CPU LoRA ops, the ReFT-P hooks), and reset when the step ends,
+so nothing of one step can leak into the next or into a dummy/profiling run (which never
+prepares inputs and so sees an empty context: no adapter work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from preft.serving.tile_plan import TilePlan
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """``lora_plan``: the rows of this step with a LoRA slot (CPU ops only; ``None``: no LoRA
+    work). ``reft_plan``: the rows with a ReFT-P bank slot (``None``: no ReFT work)."""
+
+    lora_plan: TilePlan | None = None
+    reft_plan: TilePlan | None = None
+
+
+_EMPTY = StepContext()
+_CONTEXT = _EMPTY
+
+
+def get_step_context() -> StepContext:
+    return _CONTEXT
+
+
+def set_step_context(context: StepContext) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def reset_step_context() -> None:
+    global _CONTEXT
+    _CONTEXT = _EMPTY

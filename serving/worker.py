@@ -1,0 +1,133 @@
+"""Patches that run in each vLLM worker process (where the model's forward runs).
+
+1. ``InputBatch.make_lora_inputs`` -> :func:`make_lora_inputs`: per-token LoRA ids by absolute
+   position (:mod:`preft.serving.lora_mapping`), each adapter's rule read once from its bundle
+   (:func:`preft.rule.bundle_rule`). A LoRA whose request has no active token this step is not
+   asked for, so it needs no adapter slot.
+2. ``PunicaWrapperBase.__init__``: room for 3 LoRA segments per request. vLLM sizes its segment
+   buffers for one run of equal LoRA ids per request; keyed on position, a request can have
+   three (before ``adapter_start``, the adapter's span, after ``P``).
+3. CPU only: the punica ops -> :mod:`preft.serving.lora_ops` (vLLM's CPU ops give "no adapter"
+   rows the last adapter), unless ``PREFT_STOCK_LORA_OPS=1``. On CUDA vLLM's Triton kernels
+   already skip those rows and stay.
+4. The model runners: ``load_model`` also hooks the decoder layers for ReFT-P; ``_prepare_inputs``
+   also sets the step context (:mod:`preft.serving.step_context`: the step's LoRA and ReFT
+   tile plans); ``execute_model`` resets it when the step ends.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from preft import envs
+from preft.rule import bundle_rule
+from preft.serving import lora_ops, reft
+from preft.serving.lora_mapping import prefill_only_mapping
+from preft.serving.patching import require, wrap
+from preft.serving.step_context import StepContext, get_step_context, reset_step_context, set_step_context
+from preft.serving.tile_plan import build_tile_plan
+
+#: this worker's ReFT-P bank (one per worker process, made when the model is loaded)
+REFT_BANK: reft.ReftBank | None = None
+
+
+def make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens: np.ndarray):
+    """Replacement for ``InputBatch.make_lora_inputs`` (same signature and return types)."""
+    n = self.num_reqs
+    rules = {lora_id: bundle_rule(request.lora_path) for lora_id, request in self.lora_id_to_lora_request.items()}
+    token_ids, sampled_ids = prefill_only_mapping(
+        self.request_lora_mapping[:n], self.num_computed_tokens_cpu[:n], self.num_prompt_tokens[:n],
+        np.asarray(num_scheduled_tokens), np.asarray(num_sampled_tokens), rules,
+    )
+    used = set(np.unique(token_ids).tolist()) | set(np.unique(sampled_ids).tolist())
+    active_requests = {request for lora_id, request in self.lora_id_to_lora_request.items() if lora_id in used}
+    return tuple(sampled_ids.tolist()), tuple(token_ids.tolist()), active_requests
+
+
+def _planned_cpu_ops(runner) -> bool:
+    return bool(runner.lora_config) and runner.device.type == "cpu" and not envs.PREFT_STOCK_LORA_OPS
+
+
+def _lora_plan(runner):
+    """The step's LoRA tile plan, from the per-token slots vLLM's punica wrapper now holds."""
+    wrappers = list(runner.lora_manager._adapter_manager.punica_wrapper_mapping.values())
+    if len(wrappers) != 1:
+        raise RuntimeError(f"preft: expected one punica wrapper (a text-only model), found {len(wrappers)}")
+    return build_tile_plan(wrappers[0].token_lora_indices)
+
+
+def prepare_step(runner, num_scheduled_tokens: np.ndarray) -> None:
+    """Set the step context for the step ``runner`` has just prepared."""
+    lora_plan = _lora_plan(runner) if _planned_cpu_ops(runner) else None
+    reft_plan = None
+    if REFT_BANK is not None:
+        batch = runner.input_batch
+        n = batch.num_reqs
+        bundles = [reft.reft_bundle_of(runner.requests[req_id].sampling_params) for req_id in batch.req_ids[:n]]
+        reft_plan = reft.build_reft_plan(REFT_BANK, bundles, batch.num_computed_tokens_cpu[:n],
+                                         batch.num_prompt_tokens[:n], np.asarray(num_scheduled_tokens[:n]))
+    set_step_context(StepContext(lora_plan=lora_plan, reft_plan=reft_plan))
+
+
+def install_reft(runner) -> None:
+    """Make this worker's ReFT-P bank and hook the decoder layers of the model just loaded."""
+    global REFT_BANK
+    model = runner.get_model()
+    layers = reft.decoder_layers(model)
+    if layers is None:
+        raise RuntimeError(f"preft: no decoder layers found in {type(model).__name__} (ReFT-P hooks)")
+    device = next(model.parameters()).device
+    REFT_BANK = reft.ReftBank(len(layers), runner.model_config.hf_config.hidden_size, device,
+                              reft.reft_slots(runner.lora_config))
+    reft.install_hooks(layers, REFT_BANK, lambda: get_step_context().reft_plan)
+
+
+def patch() -> None:
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    require(InputBatch, "make_lora_inputs")
+    InputBatch.make_lora_inputs = make_lora_inputs
+
+    @wrap(PunicaWrapperBase, "__init__")
+    def init_with_segment_room(original, self, max_num_batched_tokens, max_batches, device, *args, **kwargs):
+        original(self, max_num_batched_tokens, 3 * max_batches, device, *args, **kwargs)
+
+    if current_platform.is_cpu() and not envs.PREFT_STOCK_LORA_OPS:
+        from vllm.lora.punica_wrapper import punica_cpu
+
+        for name in ("bgmv_expand", "bgmv_expand_slice", "bgmv_shrink", "sgmv_expand", "sgmv_expand_slice",
+                     "sgmv_shrink"):
+            require(punica_cpu, name)
+            setattr(punica_cpu, name, getattr(lora_ops, name))
+        require(punica_cpu.PunicaWrapperCPU, "add_lora_linear")
+        punica_cpu.PunicaWrapperCPU.add_lora_linear = lora_ops.add_lora_linear
+
+    runners = [GPUModelRunner]
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        runners.append(CPUModelRunner)
+    for runner in runners:
+        if "load_model" in vars(runner):  # CPUModelRunner overrides GPUModelRunner's
+            @wrap(runner, "load_model")
+            def load_model(original, self, *args, **kwargs):
+                result = original(self, *args, **kwargs)
+                install_reft(self)
+                return result
+
+    @wrap(GPUModelRunner, "_prepare_inputs")
+    def prepare_inputs(original, self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        prepare_step(self, num_scheduled_tokens)
+        return result
+
+    @wrap(GPUModelRunner, "execute_model")
+    def execute_model(original, self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            reset_step_context()
+

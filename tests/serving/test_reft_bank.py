@@ -1,0 +1,73 @@
+"""The ReFT-P bank: a fixed number of slots, incremental slot writes, least-recently-used eviction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from peft import get_peft_model
+
+import preft
+from conftest import load_base, strengthen_reft
+from preft.export import export_adapter
+from preft.serving.reft import ReftBank, build_reft_plan
+from preft.serving.tile_plan import build_tile_plan
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory, base_path):
+    root = tmp_path_factory.mktemp("bank")
+    paths = []
+    for index in range(4):
+        torch.manual_seed(index)
+        config = preft.PreftReftConfig(rank=1 + index, layers=[index % 4], init_weights=False,
+                                       intervention=("loreft", "direft")[index % 2], adapter_start=index % 2)
+        strengthen_reft(get_peft_model(load_base(base_path), config)).save_pretrained(root / f"a{index}")
+        export_adapter(root / f"a{index}", base_path, root / f"b{index}")
+        paths.append(str(root / f"b{index}"))
+    return paths
+
+
+def edit(bank: ReftBank, bundle: str, stream: torch.Tensor, layer: int) -> torch.Tensor:
+    """The bank's edit of ``stream`` (every row with ``bundle``) at ``layer``."""
+    slot = bank.acquire([bundle])[bundle]
+    hidden = stream.clone()
+    return bank.apply(layer, hidden, torch.zeros_like(stream), build_tile_plan(torch.full((len(stream),), slot)))
+
+
+def test_bank_keeps_its_slots_and_evicts_the_least_recently_used(bundles):
+    torch.manual_seed(0)
+    stream = torch.randn(5, 192)
+    bank = ReftBank(num_layers=4, hidden_size=192, device=torch.device("cpu"), capacity=2)
+    alone = {b: ReftBank(4, 192, torch.device("cpu"), capacity=1) for b in bundles}
+    expected = {(b, layer): edit(alone[b], b, stream, layer) for b in bundles for layer in range(4)}
+
+    assert bank.acquire([bundles[0], bundles[1]]) == {bundles[0]: 0, bundles[1]: 1}
+    bank.acquire([bundles[0]])                       # bundle 1 is now the least recently used
+    assert bank.acquire([bundles[2]]) == {bundles[2]: 1}
+    assert set(bank.slot_of) == {bundles[0], bundles[2]} and bank.capacity == 2
+    assert bank.acquire([bundles[2], bundles[3]]) == {bundles[2]: 1, bundles[3]: 0}  # bundle 0 goes
+    # every resident bundle, whatever slot and rank padding it got, edits as it does alone
+    for bundle in (bundles[2], bundles[3], bundles[1], bundles[0]):
+        for layer in range(4):
+            torch.testing.assert_close(edit(bank, bundle, stream, layer), expected[(bundle, layer)])
+    assert bank.capacity == 2 and bank.loads == 6
+
+
+def test_a_step_over_capacity_grows_the_bank_and_stays_correct(bundles):
+    bank = ReftBank(4, 192, torch.device("cpu"), capacity=2)
+    slots = bank.acquire(bundles)
+    assert bank.capacity == 4 and sorted(slots.values()) == [0, 1, 2, 3]
+
+
+def test_reft_plan_acquires_slots_only_for_active_tokens(bundles):
+    """A decode step of prefill-only bundles needs no slot; a prompt chunk does (rule by position)."""
+    bank = ReftBank(4, 192, torch.device("cpu"), capacity=2)
+    # request 0: bundle 0 (start 0) decoding at position 9 of a 6-token prompt; request 1: no bundle;
+    # request 2: bundle 1 (start 1) prefilling positions 0..3 of a 4-token prompt
+    plan = build_reft_plan(bank, [bundles[0], None, bundles[1]], np.array([9, 0, 0]), np.array([6, 3, 4]),
+                           np.array([1, 3, 4]))
+    assert set(bank.slot_of) == {bundles[1]}
+    slot = bank.slot_of[bundles[1]]
+    assert plan.single_slot == slot and plan.row_mask.squeeze(1).tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert build_reft_plan(bank, [bundles[0]], np.array([9]), np.array([6]), np.array([1])) is None
