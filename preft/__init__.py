@@ -23,7 +23,20 @@ DEFAULT_BASE_MODEL = str(Path(__file__).parent / "default_base")
 
 register_with_peft()
 
+_TRAINERS = ("PreftSFTTrainer", "PreftGRPOTrainer")
+
+
+def __getattr__(name: str):
+    """``preft.PreftSFTTrainer`` / ``preft.PreftGRPOTrainer``, imported on first use (TRL is slow
+    to import, and serving processes never need it)."""
+    if name in _TRAINERS:
+        from preft import trainers
+
+        return getattr(trainers, name)
+    raise AttributeError(f"module 'preft' has no attribute {name!r}")
+
+
 __all__ = [
     "DEFAULT_BASE_MODEL", "data", "PREFT_LORA", "PREFT_REFT", "PrefillContext", "PrefillTracker",
-    "PreftLoraConfig", "PreftLoraModel", "PreftReftConfig", "PreftReftModel",
+    "PreftLoraConfig", "PreftLoraModel", "PreftReftConfig", "PreftReftModel", *_TRAINERS,
 ]

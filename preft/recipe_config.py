@@ -1,8 +1,8 @@
 """YAML recipe configs with ``key=value`` command-line overrides (torchtune style).
 
 A config is a flat-or-nested YAML mapping. ``key=value`` overrides use dots for nesting
-(``optimizer.lr=1e-3``); the value is parsed as YAML, so ``rank=64`` is an int and
-``layers=[0,2]`` a list. Overriding a key the config does not define is an error: a typo must
+(``trainer.learning_rate=1e-3``); the value is parsed as YAML, so ``adapter.r=64`` is an int
+and ``adapter.layers=[0,2]`` (in ``sft_reft_p.yaml``) a list. Overriding a key the config does not define is an error: a typo must
 not be silently ignored.
 """
 

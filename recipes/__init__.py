@@ -1,10 +1,5 @@
-"""Single-file recipes (torchtune style), their YAML configs, and the PreFT TRL trainers.
+"""Single-file recipes (torchtune style) and their YAML configs.
 
-Run a recipe with ``preft train recipes/configs/NAME.yaml [key=value ...]``.
+Run a recipe with ``preft train recipes/configs/NAME.yaml [key=value ...]``; copy a recipe to
+change it. The trainers they call are library code: :mod:`preft.trainers`.
 """
-
-import warnings
-
-# TRL warns at import that it was tested against older vLLM releases. PreFT never uses TRL's
-# vLLM integration (PreftGRPOTrainer refuses use_vllm=True), so the warning is noise here.
-warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")

@@ -12,7 +12,7 @@ from typing import Any
 from peft import LoraConfig
 
 import preft
-from preft.recipes.checks import check_model_path
+from preft.trainers.checks import check_model_path
 
 ADAPTER_TYPES = {
     "lora_p": lambda **kw: preft.PreftLoraConfig(**kw),

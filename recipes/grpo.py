@@ -28,7 +28,7 @@ from preft.data import arithmetic_prompts, exact_match_reward
 from preft.recipes.common import (
     build_adapter_config, build_trl_args, check_keys, resolve_model, train_log, write_summary,
 )
-from preft.recipes.grpo_trainer import PreftGRPOTrainer
+from preft.trainers import PreftGRPOTrainer
 
 
 def build_datasets(data: dict[str, Any]) -> tuple[Dataset, Dataset]:

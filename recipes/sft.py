@@ -30,7 +30,7 @@ from preft.data import user_examples
 from preft.recipes.common import (
     build_adapter_config, build_trl_args, check_keys, resolve_model, train_log, write_summary,
 )
-from preft.recipes.sft_trainer import PreftSFTTrainer
+from preft.trainers import PreftSFTTrainer
 
 
 def build_datasets(data: dict[str, Any]) -> tuple[Dataset, Dataset]:

@@ -16,8 +16,8 @@ from trl import GRPOConfig, SFTConfig
 import preft
 from conftest import load_base
 from preft.cli import main as cli_main
-from preft.recipes.grpo_trainer import PreftGRPOTrainer
-from preft.recipes.sft_trainer import PreftSFTTrainer
+from preft.trainers import PreftGRPOTrainer
+from preft.trainers import PreftSFTTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trl import GRPOConfig, GRPOTrainer
 
-from preft.recipes.checks import check_dataset, check_model_path, peft_config_of
+from preft.trainers.checks import check_dataset, check_model_path, peft_config_of
 
 
 class PreftGRPOTrainer(GRPOTrainer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from trl import SFTConfig, SFTTrainer
 
 from preft.context import prompt_lengths_from_labels
-from preft.recipes.checks import check_dataset, check_model_path, is_prefill_only, peft_config_of
+from preft.trainers.checks import check_dataset, check_model_path, is_prefill_only, peft_config_of
 
 
 class PreftSFTTrainer(SFTTrainer):
@@ -21,7 +21,7 @@ class PreftSFTTrainer(SFTTrainer):
         >>> import preft
         >>> from datasets import Dataset
         >>> from trl import SFTConfig
-        >>> from preft.recipes.sft_trainer import PreftSFTTrainer
+        >>> from preft import PreftSFTTrainer
         >>> data = Dataset.from_list(preft.data.user_examples(user=0, n=64))
         >>> trainer = PreftSFTTrainer(model=preft.DEFAULT_BASE_MODEL, train_dataset=data,
         ...     args=SFTConfig(output_dir="runs/x", max_steps=3, report_to="none"),
