@@ -27,8 +27,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from preft.eval.report import publish, torch_machine
+from preft.eval.report import default_of, publish, torch_machine
 from preft.serving import lora_ops
+from preft.serving.tile_plan import MAX_TILE_ROWS, build_tile_plan
 
 RANK = 16
 PROMPTS, PROMPT_TOKENS = 64, 33
@@ -97,7 +98,7 @@ def step_indices(count: int) -> torch.Tensor:
 def power_of_two_tile_rows(indices: torch.Tensor) -> int:
     """The earlier tile size: the power of two nearest the mean rows per adapter, at most 64."""
     mean_rows = indices.numel() / indices.unique().numel()
-    return min(lora_ops.MAX_TILE_ROWS, 1 << max(0, round(math.log2(mean_rows))))
+    return min(MAX_TILE_ROWS, 1 << max(0, round(math.log2(mean_rows))))
 
 
 def measure(name: str, dims, adapter_counts, repeats: int) -> list[dict]:
@@ -105,9 +106,9 @@ def measure(name: str, dims, adapter_counts, repeats: int) -> list[dict]:
     rows = []
     for count in adapter_counts:
         indices = step_indices(count)
-        plan = lora_ops.build_tile_plan(indices)
+        plan = build_tile_plan(indices)
         layers.check(indices, plan)
-        power_of_two_plan = lora_ops.build_tile_plan(indices, tile_rows=power_of_two_tile_rows(indices))
+        power_of_two_plan = build_tile_plan(indices, tile_rows=power_of_two_tile_rows(indices))
         paths = {"base": layers.base, "stock": layers.stock, "planned": layers.planned,
                  "power_of_two_tiles": lambda i, _plan: layers.planned(i, power_of_two_plan)}
         times = {key: [] for key in paths}
@@ -129,7 +130,7 @@ def measure(name: str, dims, adapter_counts, repeats: int) -> list[dict]:
 
 def main(repeats: int = 15, adapter_counts: tuple[int, ...] = (1, 8, 64)) -> dict:
     rows = [row for name, dims in MODELS.items() for row in measure(name, dims, adapter_counts, repeats)]
-    command = "preft bench lora-ops" + (f" --repeats {repeats}" if repeats != 15 else "")
+    command = "preft bench lora-ops" + (f" --repeats {repeats}" if repeats != default_of(main, "repeats") else "")
     result = {"command": command, **torch_machine(), "rank": RANK, "rows_per_step": PROMPTS * PROMPT_TOKENS,
               "rows": rows}
     table = ["| model | adapters | base matmuls (ms) | stock ops (x base) | planned ops (x base) "
@@ -158,3 +159,9 @@ def main(repeats: int = 15, adapter_counts: tuple[int, ...] = (1, 8, 64)) -> dic
 
 if __name__ == "__main__":
     main()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--repeats", type=int, default=default_of(main, "repeats"),
+                        help="timed rounds (default %(default)s)")
+    parser.set_defaults(bench=lambda args: main(repeats=args.repeats))

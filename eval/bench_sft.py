@@ -16,21 +16,15 @@ import time
 import torch
 from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import preft
-from preft.data import user_examples
-from preft.demo import encode
-from preft.eval.report import publish, torch_machine
+from preft.constants import ALL_PROJECTIONS
+from preft.data import encode_sft_batch, user_examples
+from preft.eval.report import default_of, publish, torch_machine
+from preft.models import larger_random_llama
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def larger_random_llama(vocab_size: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(config)
+TARGETS = list(ALL_PROJECTIONS)
 
 
 def step_timer(model, batch):
@@ -73,13 +67,13 @@ def compare(name: str, build_base, batch, rank: int, repeats: int) -> dict:
 def main(repeats: int = 30, rank: int = 16) -> dict:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     tokenizer = AutoTokenizer.from_pretrained(preft.DEFAULT_BASE_MODEL)
-    batch = encode(tokenizer, user_examples(0, 16, seed=3))
+    batch = encode_sft_batch(tokenizer, user_examples(0, 16, seed=3))
     rows = [
         compare("default base (1.7M)", lambda: AutoModelForCausalLM.from_pretrained(preft.DEFAULT_BASE_MODEL),
                 batch, rank, repeats),
         compare("random Llama 512x8 (27M)", lambda: larger_random_llama(len(tokenizer)), batch, rank, repeats),
     ]
-    command = "preft bench sft-step" + (f" --repeats {repeats}" if repeats != 30 else "")
+    command = "preft bench sft-step" + (f" --repeats {repeats}" if repeats != default_of(main, "repeats") else "")
     result = {"command": command, **torch_machine(), "rows": rows}
     table = ["| model | batch | LoRA step (ms) | LoRA-P step (ms) | LoRA-P / LoRA |", "|---|---|---|---|---|"]
     for row in rows:
@@ -101,3 +95,9 @@ def main(repeats: int = 30, rank: int = 16) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--repeats", type=int, default=default_of(main, "repeats"),
+                        help="timed steps per side (default %(default)s)")
+    parser.set_defaults(bench=lambda args: main(repeats=args.repeats))

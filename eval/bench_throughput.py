@@ -4,7 +4,8 @@
 
 Same engine settings, same prompts (request i uses adapter i % N), the same exported bundles
 (rank 16 on every projection, random weights), for N = 1, 8, 64, 256. Each variant is one vLLM
-engine in its own long-lived process (the variants differ in process-wide patches); all of them
+engine in its own long-lived process (:mod:`preft.serving.engine_driver`; the variants differ
+in process-wide patches), with N_max + 1 adapter slots (LoRA and ReFT-P alike); all of them
 stay up and the driver alternates between them: per round, per N, every variant runs the same
 batch once, in an order rotated each round. Round 0 warms up (adapters loaded into the engines'
 CPU caches) and is dropped. A ratio is computed within each round (variant vs base, run moments
@@ -22,12 +23,9 @@ apart) and the median over rounds is reported, so a machine whose speed drifts d
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -37,13 +35,14 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import preft
+from preft.constants import ALL_PROJECTIONS
 from preft.data import pretraining_corpus
-from preft.eval.bench_sft import larger_random_llama
-from preft.eval.report import REPO, write_result
-from preft.eval.throughput_worker import MARKER
+from preft.eval.report import REPO, default_of, write_result
 from preft.export import export_adapter
+from preft.models import larger_random_llama
+from preft.serving.engine_driver import EngineProcess
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(ALL_PROJECTIONS)
 MODELS = {"default": "the embedded default model (1.7M parameters, hidden 192 x 4 layers)",
           "512x8": "a random-init Llama (27M parameters, hidden 512 x 8 layers, 2 KV heads)"}
 VARIANTS = {
@@ -90,42 +89,34 @@ def prompts_of(tokenizer, count: int, prompt_tokens: int) -> list[str]:
 
 
 class Engine:
-    """One variant's engine process (:mod:`preft.eval.throughput_worker`), kept alive."""
+    """One variant's engine (:class:`preft.serving.engine_driver.EngineProcess`), kept alive."""
 
     def __init__(self, name: str, settings: dict, spec: dict, tmp: Path) -> None:
-        engine = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": len(spec["prompts"])}
+        engine = {"max_num_seqs": len(spec["prompts"])}
+        slots = max(spec["adapter_counts"]) + 1
         if settings["lora"]:
-            slots = max(spec["adapter_counts"]) + 1
             engine.update(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=spec["rank"])
-        reft = bool(settings.get("reft"))
-        bundles = spec["reft_bundles"] if reft else spec["bundles"] if settings["lora"] else []
-        path = tmp / f"{name.replace(' ', '_')}.json"
-        path.write_text(json.dumps({**spec, "engine": engine, "bundles": bundles, "reft": reft}))
-        self.name, self.log = name, (tmp / f"{path.stem}.log").open("w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "preft.eval.throughput_worker", str(path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=dict(os.environ, **settings["env"]))
-        self._read()  # ready
+        self.reft = bool(settings.get("reft"))
+        self.bundles = spec["reft_bundles"] if self.reft else spec["bundles"] if settings["lora"] else []
+        self.prompts, self.output_tokens = spec["prompts"], spec["output_tokens"]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "PREFT_REFT_SLOTS": str(slots), **settings["env"]}
+        self.engine = EngineProcess(spec["model"], engine, env=env, log_path=tmp / f"{name.replace(' ', '_')}.log")
 
-    def _read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(MARKER):
-                return json.loads(line.removeprefix(MARKER))
-        self.log.seek(0)
-        raise RuntimeError(f"{self.name}: engine process ended (rc={self.proc.wait()})\n{self.log.read()[-3000:]}")
+    def requests(self, count: int) -> list[dict]:
+        """The benchmark batch with request i on adapter i % count."""
+        if not self.bundles:
+            return [{"prompt": prompt} for prompt in self.prompts]
+        if self.reft:  # the bundle travels in extra_args; the plugin keys its blocks
+            return [{"prompt": prompt, "reft": self.bundles[i % count]} for i, prompt in enumerate(self.prompts)]
+        return [{"prompt": prompt, "lora": [f"a{i % count}", 1 + i % count, self.bundles[i % count]]}
+                for i, prompt in enumerate(self.prompts)]
 
     def tokens_per_second(self, count: int) -> float:
-        self.proc.stdin.write(json.dumps({"count": count}) + "\n")
-        self.proc.stdin.flush()
-        answer = self._read()
-        return answer["tokens"] / answer["seconds"]
+        answer = self.engine.generate(self.requests(count), self.output_tokens, ignore_eos=True)
+        return sum(len(tokens) for tokens in answer["tokens"]) / answer["seconds"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-            self.proc.stdin.close()
-            self.proc.wait(timeout=120)
-        self.log.close()
+        self.engine.close()
 
 
 def measure(spec: dict, tmp: Path, rounds: int) -> list[dict]:
@@ -275,3 +266,21 @@ def report(result: dict) -> str:
     markdown = "\n".join(lines)
     write_result(name, result, markdown)
     return markdown
+
+
+def add_arguments(parser) -> None:
+    def default(name: str):
+        return default_of(main, name)
+
+    parser.add_argument("--adapters", default=",".join(map(str, default("adapter_counts"))),
+                        help="adapter counts N (default %(default)s)")
+    parser.add_argument("--prompts", type=int, default=default("prompts"), help="requests per run (default %(default)s)")
+    parser.add_argument("--output-tokens", type=int, default=default("output_tokens"),
+                        help="tokens per request (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=default("rounds"),
+                        help="measured rounds after a warm-up (default %(default)s)")
+    parser.add_argument("--model", default=default("model"),
+                        help=f"base model: {' or '.join(MODELS)} (the embedded model, or a random-init Llama)")
+    parser.set_defaults(bench=lambda args: main(
+        adapter_counts=tuple(int(c) for c in args.adapters.split(",")), prompts=args.prompts,
+        output_tokens=args.output_tokens, rounds=args.rounds, model=args.model))

@@ -7,6 +7,7 @@ produced it.
 
 from __future__ import annotations
 
+import inspect
 import json
 import platform
 import re
@@ -47,3 +48,9 @@ def publish(name: str, result: dict[str, Any], markdown: str) -> Path:
     print(markdown)
     print(f"written: {path} and docs/RESULTS.md", file=sys.stderr)
     return path
+
+
+def default_of(function, name: str) -> Any:
+    """The default of ``function``'s keyword ``name``: a benchmark's defaults live in its
+    ``main()`` alone, and its command-line flags and recorded command read them from there."""
+    return inspect.signature(function).parameters[name].default

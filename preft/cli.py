@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+import importlib
 import sys
 
 # Subcommands whose implementation lands with a later issue. They say so and exit non-zero:
@@ -12,10 +12,12 @@ PLANNED = {
     "eval": "loss (PreFT vs all-token PEFT by rank) and serving goodput reports",
 }
 
+#: name -> (module, what it measures); each module has main() and add_arguments(parser)
 BENCHMARKS = {
-    "sft-step": "SFT step time, LoRA-P vs all-token LoRA (docs/RESULTS.md)",
-    "lora-ops": "CPU multi-LoRA ops on one prefill step: vLLM stock vs PreFT's planned ops",
-    "throughput": "serving output tokens/s: base, stock multi-LoRA, tiled all-token LoRA, LoRA-P, ReFT-P",
+    "sft-step": ("preft.eval.bench_sft", "SFT step time, LoRA-P vs all-token LoRA"),
+    "lora-ops": ("preft.eval.bench_lora_ops", "CPU multi-LoRA ops on one prefill step: vLLM stock vs PreFT's planned ops"),
+    "throughput": ("preft.eval.bench_throughput",
+                   "serving output tokens/s: base, stock multi-LoRA, tiled all-token LoRA, LoRA-P, ReFT-P"),
 }
 
 RECIPES = {
@@ -26,8 +28,6 @@ RECIPES = {
 
 
 def _train(args) -> int:
-    import importlib
-
     from preft.recipe_config import load_config
 
     config = load_config(args.config, args.overrides)
@@ -69,20 +69,7 @@ def _serve(args) -> int:
 
 
 def _bench(args) -> int:
-    repeats = {} if args.repeats is None else {"repeats": args.repeats}
-    if args.which == "sft-step":
-        from preft.eval.bench_sft import main
-
-        main(**repeats)
-    elif args.which == "lora-ops":
-        from preft.eval.bench_lora_ops import main
-
-        main(**repeats)
-    elif args.which == "throughput":
-        from preft.eval.bench_throughput import main
-
-        main(adapter_counts=tuple(int(c) for c in args.adapters.split(",")), prompts=args.prompts,
-             output_tokens=args.output_tokens, rounds=args.rounds, model=args.model)
+    args.bench(args)
     return 0
 
 
@@ -125,15 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks; results go to docs/RESULTS.md")
-    bench.add_argument("which", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
-    bench.add_argument("--repeats", type=int, default=None,
-                       help="sft-step: timed steps per side (default 30); lora-ops: rounds (default 15)")
-    bench.add_argument("--adapters", default="1,8,64,256", help="throughput: adapter counts (default 1,8,64,256)")
-    bench.add_argument("--prompts", type=int, default=256, help="throughput: requests per run (default 256)")
-    bench.add_argument("--output-tokens", type=int, default=64, help="throughput: tokens per request (default 64)")
-    bench.add_argument("--rounds", type=int, default=5, help="throughput: measured rounds after a warm-up (default 5)")
-    bench.add_argument("--model", default="default", help="throughput: default, or 512x8 (a random-init Llama)")
-    bench.set_defaults(run=_bench)
+    benchmarks = bench.add_subparsers(dest="which", metavar="BENCHMARK", required=True)
+    for name, (module, what) in BENCHMARKS.items():
+        benchmark = benchmarks.add_parser(name, help=what, description=what)
+        importlib.import_module(module).add_arguments(benchmark)
+        benchmark.set_defaults(run=_bench)
 
     for name, what in PLANNED.items():
         sub.add_parser(name, help=f"{what} (not implemented yet)").set_defaults(run=_planned(name))
@@ -141,11 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from preft import envs
+
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as err:
-        if os.environ.get("PREFT_DEBUG"):
+        if envs.PREFT_DEBUG:
             raise
         print(f"preft {args.command}: error: {err} (PREFT_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2

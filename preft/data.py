@@ -167,3 +167,22 @@ def exact_match_reward(completions: list, answer: list[str], **kwargs) -> list[f
         words = text.strip().split()
         rewards.append(1.0 if words and words[0] == expected else 0.0)
     return rewards
+
+
+def encode_sft_batch(tokenizer, examples: list[dict[str, str]]) -> dict:
+    """Right-padded prompt+completion batch (torch tensors); the prompt is masked out of the
+    labels (-100), the layout TRL's SFT collator makes."""
+    import torch
+
+    rows = []
+    for ex in examples:
+        prompt = tokenizer(ex["prompt"])["input_ids"]
+        completion = tokenizer(ex["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((prompt + completion, [-100] * len(prompt) + completion))
+    width = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id
+    return {
+        "input_ids": torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows]),
+        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]),
+        "labels": torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows]),
+    }

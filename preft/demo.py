@@ -22,6 +22,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import preft
+from preft.constants import ALL_PROJECTIONS
+from preft.data import encode_sft_batch
 
 console = Console(width=110)
 
@@ -31,22 +33,6 @@ def descending_sort_example(rng: random.Random) -> dict[str, str]:
     items = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
     return {"prompt": f"sort {' '.join(map(str, items))} =",
             "completion": " " + " ".join(map(str, sorted(items, reverse=True)))}
-
-
-def encode(tokenizer, examples: list[dict[str, str]]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion batch; the prompt is masked out of the labels (-100)."""
-    rows = []
-    for ex in examples:
-        prompt = tokenizer(ex["prompt"])["input_ids"]
-        completion = tokenizer(ex["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((prompt + completion, [-100] * len(prompt) + completion))
-    width = max(len(ids) for ids, _ in rows)
-    pad = tokenizer.pad_token_id
-    return {
-        "input_ids": torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows]),
-        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]),
-        "labels": torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows]),
-    }
 
 
 @torch.no_grad()
@@ -63,7 +49,7 @@ def train(model, tokenizer, train_set, steps: int, label: str, batch_size: int =
     model.train()
     bar = tqdm(range(steps), desc=f"train {label}", dynamic_ncols=True)
     for _ in bar:
-        loss = model(**encode(tokenizer, rng.sample(train_set, batch_size))).loss
+        loss = model(**encode_sft_batch(tokenizer, rng.sample(train_set, batch_size))).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -73,7 +59,7 @@ def train(model, tokenizer, train_set, steps: int, label: str, batch_size: int =
 
 @torch.no_grad()
 def eval_loss(model, tokenizer, examples) -> float:
-    return model(**encode(tokenizer, examples)).loss.item()
+    return model(**encode_sft_batch(tokenizer, examples)).loss.item()
 
 
 def main(steps: int = 300, output_dir: str = "runs/demo") -> dict[str, float]:
@@ -98,7 +84,7 @@ def main(steps: int = 300, output_dir: str = "runs/demo") -> dict[str, float]:
         console.print(f"  {ex['prompt']!r:28} base model -> {text.strip()!r:16} (the user wants {ex['completion'].strip()!r})")
 
     console.rule(f"Train the user's rule (sort descending), {steps} steps each")
-    target = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    target = list(ALL_PROJECTIONS)
     lora_p = train(get_peft_model(fresh_base(), preft.PreftLoraConfig(r=16, lora_alpha=32, target_modules=target)),
                    tokenizer, train_set, steps, "LoRA-P (prompt tokens only)")
     lora = train(get_peft_model(fresh_base(), preft.PreftLoraConfig(r=16, lora_alpha=32, target_modules=target,

@@ -6,6 +6,7 @@ import torch
 
 from preft.kernels.lora_tiles import triton_planned_lora_linear
 from preft.serving import lora_ops
+from preft.serving.tile_plan import build_tile_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -26,7 +27,7 @@ def test_lora_tiles_kernels_equal_the_torch_ops(indices, tile_rows):
     lora_b = tuple(torch.randn(slots, 1, size + 1, rank, device=DEVICE) for size in slices)
     y = torch.randn(rows + 2, sum(slices), device=DEVICE)
     before = y.clone()
-    plan = lora_ops.build_tile_plan(indices, tile_rows=tile_rows)
+    plan = build_tile_plan(indices, tile_rows=tile_rows)
     expected = y.clone()
     lora_ops.planned_lora_linear(expected, x, plan, lora_ops.PlannedLoraWeights(lora_a, lora_b, slices), 0.5)
     triton_planned_lora_linear(y, x, plan, lora_ops.PlannedLoraWeights(lora_a, lora_b, slices), 0.5)
@@ -43,7 +44,7 @@ def test_rows_without_an_adapter_are_left_exactly_alone():
     y = torch.randn(indices.numel(), 8, device=DEVICE)
     before = y.clone()
     weights = lora_ops.PlannedLoraWeights(lora_a, lora_b, (8,))
-    triton_planned_lora_linear(y, x, lora_ops.build_tile_plan(indices), weights, 1.0)
+    triton_planned_lora_linear(y, x, build_tile_plan(indices), weights, 1.0)
     untouched = indices < 0
     assert torch.equal(y[untouched], before[untouched])
     assert (y[~untouched] - before[~untouched]).abs().min() > 0
