@@ -94,21 +94,18 @@ def active_scheduled_tokens(prefill_only: np.ndarray, adapter_start: np.ndarray,
 
 
 @functools.lru_cache(maxsize=4096)
-def _bundle_rule(bundle_dir: str) -> AdapterRule:
-    from preft.export import has_manifest, read_manifest  # preft.export imports the tuners
-
-    if not has_manifest(bundle_dir):  # a plain vLLM LoRA directory: stock, every token
-        return ALL_TOKEN
-    return AdapterRule.from_manifest(read_manifest(bundle_dir))
-
-
 def bundle_rule(bundle_dir: str | Path) -> AdapterRule:
     """The rule of the bundle at ``bundle_dir``, read once from its manifest (``read_manifest``
     checks it). A directory without a manifest is a plain LoRA: every token, as stock vLLM
     does. ``PREFT_ALL_TOKEN=1`` (``preft serve --all-token``) makes every bundle all-token,
-    LoRA and ReFT alike: the standard multi-adapter baseline."""
-    from preft import envs
+    LoRA and ReFT alike: the standard multi-adapter baseline.
 
-    if envs.PREFT_ALL_TOKEN:
+    Cached per bundle for the life of the process (the engine asks for it per request per
+    step, and a server's environment and bundle copies do not change): ``bundle_rule.cache_clear()``
+    after changing either in-process."""
+    from preft import envs
+    from preft.export import has_manifest, read_manifest  # preft.export imports the tuners
+
+    if envs.PREFT_ALL_TOKEN or not has_manifest(bundle_dir):  # no manifest: a plain vLLM LoRA directory
         return ALL_TOKEN
-    return _bundle_rule(str(bundle_dir))
+    return AdapterRule.from_manifest(read_manifest(bundle_dir))

@@ -62,10 +62,13 @@ def test_bundle_rule_reads_the_manifest_once_and_all_token_covers_every_kind(tmp
         (bundle / MANIFEST).write_text(json.dumps({"format": BUNDLE_FORMAT, "kind": kind, "prefill_only": True,
                                                    "adapter_start": 4}))
         monkeypatch.delenv("PREFT_ALL_TOKEN", raising=False)
+        bundle_rule.cache_clear()
         assert bundle_rule(bundle) == AdapterRule(True, 4)
         monkeypatch.setenv("PREFT_ALL_TOKEN", "1")
+        bundle_rule.cache_clear()
         assert bundle_rule(bundle) == ALL_TOKEN
     monkeypatch.delenv("PREFT_ALL_TOKEN")
+    bundle_rule.cache_clear()
     (tmp_path / "plain").mkdir()  # a plain vLLM LoRA directory: stock behaviour, every token
     assert bundle_rule(tmp_path / "plain") == ALL_TOKEN
     (tmp_path / "bad").mkdir()
