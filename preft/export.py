@@ -4,9 +4,17 @@
 
 Checks (each refusal names the problem): the adapter directory and its files exist and parse;
 the PEFT type is one PreFT serves (``PREFT_LORA``, ``PREFT_REFT``, or plain ``LORA``, which is
-served all-token as the baseline); the base is a decoder vLLM runs (Llama / Qwen2 / Mistral);
-every adapter tensor belongs to a module the base has, with matching shapes (hidden size,
-layer count, target modules); the rank is at most ``--max-rank``; all weights are finite.
+served all-token as the baseline); every config field it reads has the right type and range
+(``r``, ``lora_alpha``, ``rank``, ``intervention``, ``adapter_start``, ``prefill_only``); the base
+is a decoder vLLM runs (Llama / Qwen2 / Mistral); every adapter tensor belongs to a module the
+base has, with matching shapes (hidden size, layer count, target modules), and the tensor set is
+complete (every LoRA A has its B, every ReFT layer its three tensors); the rank is at most
+``--max-rank``; all weights are finite and of sane magnitude (at most :data:`MAX_ABS_WEIGHT`).
+
+Output: the bundle is built in a temporary directory beside ``-o`` and renamed into place. An
+existing ``-o`` is refused unless ``overwrite=True`` (``--overwrite``), and even then only if it
+is a PreFT bundle that does not hold the adapter being exported. Exporting a bundle again (its
+``adapter_config.json`` is plain LoRA) keeps the rule its manifest records.
 
 Bundle layout (``preft_manifest.json`` says what the rest is):
 
@@ -20,6 +28,7 @@ Bundle layout (``preft_manifest.json`` says what the rest is):
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -38,13 +47,16 @@ BUNDLE_FORMAT = "preft-bundle/1"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 _LORA_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight$")
 _REFT_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.reft_(source|proj)\.(weight|bias)$")
+#: largest |weight| and |lora_alpha / r| accepted: trained adapters are orders of magnitude below;
+#: beyond this a bundle makes the model's activations overflow (empty or garbage answers)
+MAX_ABS_WEIGHT = 1e4
 
 
 class ExportError(ValueError):
     """The adapter cannot be served on this base; the message says why."""
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_json(path: Path, what: str) -> Any:
     if not path.is_file():
         raise ExportError(f"{what} not found: {path}")
     try:
@@ -64,7 +76,7 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def base_fingerprint(base_dir: Path) -> dict[str, Any]:
     """What the bundle records about its base, and the shapes of the base's weights."""
-    config = _read_json(base_dir / "config.json", "base model config")
+    config = read_json(base_dir / "config.json", "base model config")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ExportError(
@@ -87,24 +99,55 @@ def base_fingerprint(base_dir: Path) -> dict[str, Any]:
 
 
 def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """Every weight finite and at most :data:`MAX_ABS_WEIGHT` in magnitude."""
     bad = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
     if bad:
         raise ExportError(f"adapter weights contain NaN or infinite values: {bad[:3]}{' ...' if len(bad) > 3 else ''}")
+    huge = [k for k, v in tensors.items() if v.numel() and float(v.abs().max()) > MAX_ABS_WEIGHT]
+    if huge:
+        raise ExportError(f"adapter weights over {MAX_ABS_WEIGHT:g} in magnitude: {huge[:3]} (a broken adapter?)")
 
 
-def _check_lora(tensors, config, base, max_rank) -> int:
-    rank = int(config["r"])
+def _field(config: dict, key: str, kind: str, default: Any = ...) -> Any:
+    """``config[key]`` checked: ``int`` (> 0), ``start`` (int >= 0), ``bool``, ``number`` (finite)."""
+    if key not in config:
+        if default is ...:
+            raise ExportError(f"adapter config has no {key!r}")
+        return default
+    value = config[key]
+    if kind in ("int", "start"):
+        low = 1 if kind == "int" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ExportError(f"adapter config: {key} must be an integer >= {low}, got {value!r}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ExportError(f"adapter config: {key} must be true or false, got {value!r}")
+    elif kind == "number":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not torch.isfinite(torch.tensor(value)):
+            raise ExportError(f"adapter config: {key} must be a finite number, got {value!r}")
+    return value
+
+
+def check_lora(tensors, config, base, max_rank) -> int:
+    """Check a LoRA adapter's config and tensors against the base (:func:`base_fingerprint`); its rank."""
+    rank = _field(config, "r", "int")
+    alpha = _field(config, "lora_alpha", "number", default=8)
+    if abs(alpha / rank) > MAX_ABS_WEIGHT:
+        raise ExportError(f"adapter config: lora_alpha / r = {alpha / rank:g} is over {MAX_ABS_WEIGHT:g} "
+                          "(a broken adapter?)")
     if rank > max_rank:
         raise ExportError(f"adapter rank r={rank} is over the server's max rank {max_rank}")
     if any(config.get(k) for k in ("rank_pattern", "alpha_pattern")):
         raise ExportError("rank_pattern / alpha_pattern are not supported for serving: use one r and lora_alpha")
     if not tensors:
         raise ExportError("adapter weights are empty")
+    sides: dict[str, set[str]] = {}
     for key, tensor in tensors.items():
         match = _LORA_KEY.match(key)
         if match is None:
             raise ExportError(f"unexpected tensor {key!r}: PreFT serves LoRA on decoder-layer linear modules only")
         layer, block, module, side = int(match[1]), match[2], match[3], match[4]
+        sides.setdefault(f"layers.{layer}.{block}.{module}", set()).add(side)
         if layer >= base["num_hidden_layers"]:
             raise ExportError(f"{key}: layer {layer} does not exist in the base ({base['num_hidden_layers']} layers)")
         base_key = f"model.layers.{layer}.{block}.{module}.weight"
@@ -117,11 +160,16 @@ def _check_lora(tensors, config, base, max_rank) -> int:
                 f"{key}: shape {tuple(tensor.shape)} does not fit the base's {module} "
                 f"(expected {expected}; wrong base model?)"
             )
+    incomplete = sorted(module for module, found in sides.items() if found != {"A", "B"})
+    if incomplete:
+        raise ExportError(f"adapter weights are incomplete: {incomplete[:3]} lack lora_A or lora_B")
     return rank
 
 
 def _reft_tensors(tensors, config, base, max_rank) -> dict[str, torch.Tensor]:
-    rank = int(config["rank"])
+    rank = _field(config, "rank", "int")
+    if config.get("intervention") not in ("loreft", "direft"):
+        raise ExportError(f"adapter config: intervention must be 'loreft' or 'direft', got {config.get('intervention')!r}")
     if rank > max_rank:
         raise ExportError(f"adapter rank={rank} is over the server's max rank {max_rank}")
     hidden = base["hidden_size"]
@@ -151,20 +199,50 @@ def _reft_tensors(tensors, config, base, max_rank) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_output(output_dir: Path, adapter_dir: Path, overwrite: bool) -> None:
+    """Refuse an ``-o`` that would destroy something: see the module docstring."""
+    if output_dir.is_file() or output_dir.is_symlink():
+        raise ExportError(f"-o {output_dir} is an existing file, not a bundle directory")
+    if not output_dir.exists():
+        return
+    if not overwrite:
+        raise ExportError(f"-o {output_dir} already exists: choose a new directory, or pass --overwrite to "
+                          "replace the bundle there")
+    if adapter_dir.resolve().is_relative_to(output_dir.resolve()):
+        raise ExportError(f"-o {output_dir} holds the adapter being exported: choose another directory")
+    if not has_manifest(output_dir):
+        raise ExportError(f"-o {output_dir} exists and is not a PreFT bundle: refusing to replace it")
+
+
+def _rule_of(adapter_dir: Path, config: dict[str, Any]) -> tuple[bool, int]:
+    """``(prefill_only, adapter_start)``: from the PEFT config, or, for a bundle exported again,
+    from its manifest (the bundle's config is plain LoRA and no longer says)."""
+    if has_manifest(adapter_dir):
+        manifest = read_manifest(adapter_dir)
+        return (_field(manifest, "prefill_only", "bool", default=False),
+                _field(manifest, "adapter_start", "start", default=0))
+    return _field(config, "prefill_only", "bool", default=False), _field(config, "adapter_start", "start", default=0)
+
+
 def export_adapter(adapter_dir: str | Path, base_dir: str | Path, output_dir: str | Path,
-                   max_rank: int = 64) -> dict[str, Any]:
+                   max_rank: int = 64, overwrite: bool = False) -> dict[str, Any]:
     """Check ``adapter_dir`` against ``base_dir`` and write a bundle to ``output_dir``.
 
-    Returns the manifest. Nothing is written unless every check passes (the bundle is built
-    in a temporary directory and moved into place).
+    Returns the manifest. Nothing is written unless every check passes: the bundle is built in a
+    temporary directory beside ``output_dir`` and renamed into place. An existing
+    ``output_dir`` is replaced only with ``overwrite=True``, and only if it is a bundle.
     """
     adapter_dir, base_dir, output_dir = Path(adapter_dir), Path(base_dir), Path(output_dir)
     if not adapter_dir.is_dir():
         raise ExportError(f"adapter directory not found: {adapter_dir}")
-    config = _read_json(adapter_dir / "adapter_config.json", "adapter config")
+    _check_output(output_dir, adapter_dir, overwrite)
+    config = read_json(adapter_dir / "adapter_config.json", "adapter config")
+    if not isinstance(config, dict):
+        raise ExportError(f"adapter config must be a JSON object: {adapter_dir / 'adapter_config.json'}")
     peft_type = config.get("peft_type")
     if peft_type not in (PREFT_LORA, PREFT_REFT, "LORA"):
         raise ExportError(f"adapter peft_type {peft_type!r} is not servable (PREFT_LORA, PREFT_REFT or LORA)")
+    prefill_only, adapter_start = _rule_of(adapter_dir, config)
     base = base_fingerprint(base_dir)
     tensors = load_tensors(adapter_dir / "adapter_model.safetensors")
     check_finite(tensors)
@@ -172,11 +250,13 @@ def export_adapter(adapter_dir: str | Path, base_dir: str | Path, output_dir: st
     manifest: dict[str, Any] = {
         "format": BUNDLE_FORMAT,
         "source_peft_type": peft_type,
-        "adapter_start": int(config.get("adapter_start", 0)),
-        "prefill_only": bool(config.get("prefill_only", False)),
+        "adapter_start": adapter_start,
+        "prefill_only": prefill_only,
         "base": {k: v for k, v in base.items() if k != "shapes"},
     }
-    staging = Path(tempfile.mkdtemp(prefix=".preft-export-", dir=output_dir.parent if output_dir.parent.exists() else None))
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.preft-export-", dir=output_dir.parent))
+    replaced = None
     try:
         if peft_type == PREFT_REFT:
             weights = _reft_tensors(tensors, config, base, max_rank)
@@ -184,19 +264,26 @@ def export_adapter(adapter_dir: str | Path, base_dir: str | Path, output_dir: st
                             layers=sorted({int(k.split(".")[1]) for k in weights}))
             save_file(weights, str(staging / "reft_weights.safetensors"))
         else:
-            rank = _check_lora(tensors, config, base, max_rank)
+            rank = check_lora(tensors, config, base, max_rank)
             manifest.update(kind="lora", rank=rank)
             lora_config = {k: v for k, v in config.items() if k not in ("adapter_start", "prefill_only")}
             lora_config["peft_type"] = "LORA"  # what vLLM's LoRA loader reads
             (staging / "adapter_config.json").write_text(json.dumps(lora_config, indent=2) + "\n")
             shutil.copyfile(adapter_dir / "adapter_model.safetensors", staging / "adapter_model.safetensors")
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(staging), str(output_dir))
+        if output_dir.exists():  # an existing bundle, --overwrite (checked above): set aside first
+            replaced = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.preft-replaced-", dir=output_dir.parent))
+            os.rename(output_dir, replaced / "bundle")
+        try:
+            os.rename(staging, output_dir)
+        except OSError:
+            if replaced is not None:  # put the old bundle back
+                os.rename(replaced / "bundle", output_dir)
+            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    if replaced is not None:  # the new bundle is in place: the one it replaced goes
+        shutil.rmtree(replaced, ignore_errors=True)
     return manifest
 
 
@@ -207,7 +294,8 @@ def has_manifest(bundle_dir: str | Path) -> bool:
 
 def read_manifest(bundle_dir: str | Path) -> dict[str, Any]:
     """The manifest of an exported bundle (refuses a directory that is not one)."""
-    manifest = _read_json(Path(bundle_dir) / MANIFEST, "PreFT bundle manifest")
-    if manifest.get("format") != BUNDLE_FORMAT:
-        raise ExportError(f"{bundle_dir}: unknown bundle format {manifest.get('format')!r} (expected {BUNDLE_FORMAT})")
+    manifest = read_json(Path(bundle_dir) / MANIFEST, "PreFT bundle manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ExportError(f"{bundle_dir}: unknown bundle format {found!r} (expected {BUNDLE_FORMAT})")
     return manifest
