@@ -35,6 +35,17 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                               "rewritten to it)"),
     "PREFT_SERVE_MAX_RANK": (lambda: int(os.environ.get("PREFT_SERVE_MAX_RANK", "64")),
                              "set by `preft serve`: the largest adapter rank a runtime load may have"),
+    "PREFT_SERVE_ADAPTER_ROOT": (lambda: os.environ.get("PREFT_SERVE_ADAPTER_ROOT") or None,
+                                 "set by `preft serve --allow-runtime-loading --adapter-root DIR`: runtime loads are "
+                                 "allowed, from bundles under DIR only (unset: no runtime loading)"),
+    "PREFT_SERVE_STORE": (lambda: os.environ.get("PREFT_SERVE_STORE") or None,
+                          "set by `preft serve`: the directory of the server's checked copies of its bundles"),
+    "PREFT_SERVE_STORE_OWNER_PID": (lambda: int(os.environ.get("PREFT_SERVE_STORE_OWNER_PID") or 0) or None,
+                                    "set by `preft serve` when it made the store itself (no --state-dir): the pid "
+                                    "of the API server, which removes the store when it exits"),
+    "PREFT_SERVE_LORA": (lambda: json.loads(os.environ.get("PREFT_SERVE_LORA") or "{}"),
+                         "set by `preft serve`: JSON {name: copy in the store} of the LoRA adapters given at start-up "
+                         "(already checked; vLLM loads them through the runtime-load check)"),
     "PREFT_SERVE_REFT": (lambda: json.loads(os.environ.get("PREFT_SERVE_REFT") or "{}"),
                          "set by `preft serve`: JSON {name: bundle dir} of the ReFT-P adapters given at start-up"),
 }

@@ -1,17 +1,19 @@
 """Patches that run in vLLM's API-server process, under ``preft serve`` only.
 
-1. ``/v1/load_lora_adapter`` runs the same bundle checks as start-up
-   (:func:`preft.serving.server.check_bundle`: manifest, kind, rank, base model, finite
-   weights) and answers 400 with the reason, before the engine sees the adapter.
-2. ReFT-P adapters are routed by name: an ASGI middleware (:mod:`preft.serving.reft_routing`)
-   sits outermost in the app vLLM builds.
-3. ``/v1/models`` lists the ReFT-P adapters beside the LoRA adapters.
+1. ``/v1/load_lora_adapter`` (present only with ``--allow-runtime-loading``): the bundle must lie
+   under ``--adapter-root``; it is copied into the server's store and checked there
+   (:mod:`preft.serving.bundle_store`), and vLLM loads the copy. A name that a ReFT-P adapter
+   holds is refused unless ``load_inplace``; a replaced LoRA gets a new engine id, so requests
+   already running finish on the old weights. Refusals are 400s with the reason.
+2. ReFT-P adapters are routed by name: the ASGI middleware of :mod:`preft.serving.reft_routing`
+   is placed innermost among vLLM's middlewares, behind its ``--api-key`` check.
+3. ``/v1/models`` lists the ReFT-P adapters beside the LoRA adapters (names are unique).
 """
 
 from __future__ import annotations
 
+import weakref
 from http import HTTPStatus
-from pathlib import Path
 
 from preft import envs
 from preft.export import ExportError
@@ -23,22 +25,38 @@ def patch_load_checks() -> None:
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.entrypoints.serve import create_error_response
 
-    from preft.serving.server import check_bundle
+    def refuse(message: str):
+        return create_error_response(message=message, err_type="BadRequestError", status_code=HTTPStatus.BAD_REQUEST)
+
+    @wrap(OpenAIServingModels, "__init__")
+    def init(original, self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        reft_routing.SERVING_MODELS = weakref.proxy(self)
 
     @wrap(OpenAIServingModels, "_check_load_lora_adapter_request")
     async def checked(original, self, request):
+        name = request.lora_name
+        if name in reft_routing.REFT_ADAPTERS and not request.load_inplace:
+            return refuse(f"The adapter '{name}' has already been loaded. To replace it, set 'load_inplace' to true.")
         error = await original(self, request)
         if error is not None:
             return error
+        if envs.PREFT_SERVE_LORA.get(name) == request.lora_path:  # a start-up adapter: already in the store
+            return None
         try:
-            check_bundle(request.lora_name, request.lora_path, Path(envs.PREFT_SERVE_BASE), envs.PREFT_SERVE_MAX_RANK)
+            copy, manifest = reft_routing.add_runtime_bundle(name, request.lora_path)
         except ExportError as err:
-            return create_error_response(message=str(err), err_type="BadRequestError",
-                                         status_code=HTTPStatus.BAD_REQUEST)
+            return refuse(str(err))
+        if manifest["kind"] != "lora":
+            return refuse(f"adapter {name!r} is a {manifest['kind']} bundle, not a LoRA bundle")
+        request.lora_path = str(copy)
+        self.lora_requests.pop(name, None)  # a replacement gets a new id: running requests keep the old adapter
+        reft_routing.REFT_ADAPTERS.pop(name, None)
         return None
 
 
 def patch_reft_routing() -> None:
+    from starlette.middleware import Middleware
     from vllm.entrypoints.launchers.api_server import entry
 
     reft_routing.load_start_up_adapters()
@@ -46,11 +64,9 @@ def patch_reft_routing() -> None:
     @wrap(entry, "build_app")
     def build_app(original, *args, **kwargs):
         app = original(*args, **kwargs)
-        # outermost layer of the ASGI stack (vLLM may have built the stack already)
-        build_stack = require(app, "build_middleware_stack")
-        app.build_middleware_stack = lambda: reft_routing.ReftRoutingMiddleware(build_stack())
-        if app.middleware_stack is not None:
-            app.middleware_stack = reft_routing.ReftRoutingMiddleware(app.middleware_stack)
+        # innermost of the app's middlewares: vLLM's authentication (and CORS, ...) run first
+        require(app, "user_middleware").append(Middleware(reft_routing.ReftRoutingMiddleware))
+        app.middleware_stack = None  # rebuilt with it on the first request
         return app
 
 
@@ -68,7 +84,19 @@ def patch_model_list() -> None:
         return model_list
 
 
+def remove_temporary_store_at_exit() -> None:
+    """The store ``preft serve`` made for itself goes with the server (only the API-server
+    process, which keeps ``preft serve``'s pid, removes it; a ``--state-dir`` is the user's)."""
+    import atexit
+    import os
+    import shutil
+
+    if envs.PREFT_SERVE_STORE_OWNER_PID == os.getpid() and envs.PREFT_SERVE_STORE:
+        atexit.register(shutil.rmtree, envs.PREFT_SERVE_STORE, True)
+
+
 def patch() -> None:
+    remove_temporary_store_at_exit()
     patch_load_checks()
     patch_reft_routing()
     patch_model_list()

@@ -1,15 +1,22 @@
-"""ReFT-P adapters in the OpenAI server: requests name them in ``model`` like LoRA adapters.
+"""Adapters by name in the API server: ReFT-P routing, runtime loads, one namespace for all kinds.
 
-vLLM's server knows base models and LoRA adapters only. An ASGI middleware in front of it
-turns a request for ReFT-P adapter ``NAME`` into a request for the base model with
-``vllm_xargs = {"preft_reft": BUNDLE}`` (:data:`preft.constants.REFT_EXTRA_ARG`), read by the
-engine hooks (:mod:`preft.serving.reft`) and by the prefix-cache keys (blocks from
-``adapter_start`` on are keyed by the bundle). ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` with a ReFT-P bundle register and drop names here; ``/v1/models``
-lists them.
+vLLM's server knows base models and LoRA adapters only. An ASGI middleware, placed inside
+vLLM's own middlewares (so ``--api-key`` is checked first), turns a request for ReFT-P adapter
+``NAME`` into a request for the base model with ``vllm_xargs = {"preft_reft": COPY}``
+(:data:`preft.constants.REFT_EXTRA_ARG`; ``COPY`` is the server's checked copy of the bundle,
+:mod:`preft.serving.bundle_store`), read by the engine hooks (:mod:`preft.serving.reft`) and
+by the prefix-cache keys. A client may not set that key itself.
+
+With runtime loading on (``preft serve --allow-runtime-loading --adapter-root DIR``),
+``/v1/load_lora_adapter`` with a ReFT-P bundle under DIR registers its name here and
+``/v1/unload_lora_adapter`` drops it; LoRA bundles go on to vLLM's own handler, which
+:mod:`preft.serving.api_server` wraps with the same checks. Names are unique across kinds:
+loading a name that exists (LoRA or ReFT-P) is a 400 unless ``load_inplace`` asks to replace
+it; a replacement serves new requests, while requests already running finish on the copy
+they started with.
 
 Active only under ``preft serve`` (which sets ``PREFT_SERVE_*``, :mod:`preft.envs`), in the API
-server process (:mod:`preft.serving.api_server` installs it).
+server process.
 """
 
 from __future__ import annotations
@@ -20,21 +27,44 @@ from pathlib import Path
 from preft import envs
 from preft.constants import REFT_EXTRA_ARG
 from preft.export import ExportError, read_manifest
+from preft.serving.bundle_store import BundleStore, resolve_under_root
 
-#: ReFT-P adapter name -> bundle directory, in the API server process
+#: ReFT-P adapter name -> the server's copy of its bundle, in the API server process
 REFT_ADAPTERS: dict[str, str] = {}
+#: vLLM's ``OpenAIServingModels`` of this server (its ``lora_requests`` are the LoRA names)
+SERVING_MODELS = None
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
 def load_start_up_adapters() -> None:
     REFT_ADAPTERS.update(envs.PREFT_SERVE_REFT)
 
 
-def is_reft_bundle(path: str) -> bool:
+def lora_names() -> set[str]:
+    return set(SERVING_MODELS.lora_requests) if SERVING_MODELS is not None else set()
+
+
+def runtime_loading() -> bool:
+    return envs.PREFT_SERVE_ADAPTER_ROOT is not None
+
+
+def add_runtime_bundle(name: str, path: str) -> tuple[Path, dict]:
+    """The server's checked copy of the bundle a runtime load names (under the adapter root)."""
+    if not isinstance(path, str) or not path:
+        raise ExportError("'lora_path' must be provided")
+    source = resolve_under_root(path, Path(envs.PREFT_SERVE_ADAPTER_ROOT))
+    store = BundleStore(envs.PREFT_SERVE_STORE, Path(envs.PREFT_SERVE_BASE), envs.PREFT_SERVE_MAX_RANK)
+    return store.add(name, source)
+
+
+def _kind_under_root(path) -> str | None:
+    """The kind of the bundle a load names, or None (not a bundle, or outside the root: vLLM's
+    wrapped handler then answers, without revealing anything)."""
     try:
-        return read_manifest(path).get("kind") == "reft"
-    except ExportError:
-        return False
+        return read_manifest(resolve_under_root(str(path), Path(envs.PREFT_SERVE_ADAPTER_ROOT))).get("kind")
+    except (ExportError, OSError, TypeError, ValueError):
+        return None
 
 
 async def _read_body(receive) -> bytes:
@@ -47,7 +77,7 @@ async def _read_body(receive) -> bytes:
 
 
 async def _respond(send, status: int, payload) -> None:
-    body = json.dumps(payload).encode() if not isinstance(payload, str) else json.dumps(payload).encode()
+    body = json.dumps(payload).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -66,9 +96,8 @@ class ReftRoutingMiddleware:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] != "http" or scope.get("method") != "POST" or not (
-            path in COMPLETION_PATHS or path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-        ):
+        admin = runtime_loading() and path in (LOAD, UNLOAD)
+        if scope["type"] != "http" or scope.get("method") != "POST" or not (path in COMPLETION_PATHS or admin):
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
         try:
@@ -76,18 +105,20 @@ class ReftRoutingMiddleware:
         except json.JSONDecodeError:
             data = None
         if isinstance(data, dict):
-            if path in COMPLETION_PATHS and REFT_EXTRA_ARG in (data.get("vllm_xargs") or {}):
+            if path in COMPLETION_PATHS and isinstance(data.get("vllm_xargs"), dict) \
+                    and REFT_EXTRA_ARG in data["vllm_xargs"]:
                 # only the server picks bundles: a client-chosen path would reach the engine unchecked
                 return await _respond(send, 400, _error(f"vllm_xargs.{REFT_EXTRA_ARG} is reserved; name a ReFT-P "
                                                         "adapter in 'model' instead", 400))
-            if path in COMPLETION_PATHS and data.get("model") in REFT_ADAPTERS:
-                bundle = REFT_ADAPTERS[data["model"]]
-                data["model"] = envs.PREFT_SERVE_BASE_NAME or data["model"]
+            model = data.get("model")
+            if path in COMPLETION_PATHS and isinstance(model, str) and model in REFT_ADAPTERS:
+                bundle = REFT_ADAPTERS[model]
+                data["model"] = envs.PREFT_SERVE_BASE_NAME or model
                 data["vllm_xargs"] = {**(data.get("vllm_xargs") or {}), REFT_EXTRA_ARG: bundle}
                 body = json.dumps(data).encode()
-            elif path == "/v1/load_lora_adapter" and is_reft_bundle(str(data.get("lora_path", ""))):
+            elif path == LOAD and _kind_under_root(data.get("lora_path")) == "reft":
                 return await self._load(send, data)
-            elif path == "/v1/unload_lora_adapter" and data.get("lora_name") in REFT_ADAPTERS:
+            elif path == UNLOAD and isinstance(data.get("lora_name"), str) and data["lora_name"] in REFT_ADAPTERS:
                 del REFT_ADAPTERS[data["lora_name"]]
                 return await _respond(send, 200, f"Success: ReFT-P adapter '{data['lora_name']}' removed.")
 
@@ -106,16 +137,19 @@ class ReftRoutingMiddleware:
         return await self.app(scope, replay, send)
 
     async def _load(self, send, data) -> None:
-        from preft.serving.server import check_bundle
-
-        name, path = data.get("lora_name"), data["lora_path"]
-        if not name:
+        name = data.get("lora_name")
+        if not isinstance(name, str) or not name:
             return await _respond(send, 400, _error("'lora_name' must be provided", 400))
-        if name in REFT_ADAPTERS and not data.get("load_inplace"):
-            return await _respond(send, 400, _error(f"The adapter '{name}' has already been loaded.", 400))
+        if name == envs.PREFT_SERVE_BASE_NAME:
+            return await _respond(send, 400, _error(f"The adapter '{name}' conflicts with the served base model.", 400))
+        if (name in REFT_ADAPTERS or name in lora_names()) and data.get("load_inplace") is not True:
+            return await _respond(send, 400, _error(
+                f"The adapter '{name}' has already been loaded. To replace it, set 'load_inplace' to true.", 400))
         try:
-            check_bundle(name, path, Path(envs.PREFT_SERVE_BASE), envs.PREFT_SERVE_MAX_RANK)
+            copy, _ = add_runtime_bundle(name, data.get("lora_path"))
         except ExportError as err:
             return await _respond(send, 400, _error(str(err), 400))
-        REFT_ADAPTERS[name] = path
+        REFT_ADAPTERS[name] = str(copy)
+        if SERVING_MODELS is not None:
+            SERVING_MODELS.lora_requests.pop(name, None)  # the name now serves the ReFT-P bundle
         return await _respond(send, 200, f"Success: ReFT-P adapter '{name}' added successfully.")

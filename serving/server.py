@@ -6,11 +6,15 @@ Each request names its adapter (LoRA-P, LoRA or ReFT-P bundle) in ``model`` (``/
 ``/v1/models`` lists them). Bundles come from ``preft export``; their manifests say
 prefill-only and ``adapter_start``, which the PreFT vLLM plugin applies per token position.
 ``--all-token`` serves the same bundles on every token (the standard multi-LoRA baseline).
-Adapters can be loaded and unloaded at run time with vLLM's ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter``.
+With ``--allow-runtime-loading --adapter-root DIR``, adapters under DIR can be loaded and
+unloaded at run time with vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+(behind ``--api-key`` when one is given, like every ``/v1`` route); without it those routes do
+not exist. Adapter names are unique across kinds; ``load_inplace`` replaces one.
 
-Every bundle is checked before the engine starts (manifest, kind, rank, base model), so a bad
-bundle is one clear error line, not a crashed server. Arguments after ``--`` go to vLLM as is.
+Every bundle is copied into the server's store and checked there before it is served
+(:mod:`preft.serving.bundle_store`), so a bad bundle is one clear error line (or a 400 at run
+time), not a crashed server, and nothing the user later does to the bundle's directory changes
+what is served. Arguments after ``--`` go to vLLM as is.
 """
 
 from __future__ import annotations
@@ -20,29 +24,9 @@ import os
 import sys
 from pathlib import Path
 
-from preft.export import ExportError, check_finite, load_tensors, read_manifest
+from preft.export import ExportError
 from preft.serving import SCHEDULER_CLS
-
-
-def check_bundle(name: str, path: str, base_dir: Path, max_rank: int) -> dict:
-    """Refuse a bundle that this server cannot serve; returns its manifest."""
-    if not Path(path).is_dir():
-        raise ExportError(f"adapter {name!r}: bundle directory not found: {path}")
-    manifest = read_manifest(path)
-    if manifest.get("kind") not in ("lora", "reft"):
-        raise ExportError(f"adapter {name!r}: unknown bundle kind {manifest.get('kind')!r}")
-    if manifest["rank"] > max_rank:
-        raise ExportError(f"adapter {name!r}: rank {manifest['rank']} is over --max-rank {max_rank}")
-    base = json.loads((base_dir / "config.json").read_text())
-    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
-        if manifest["base"].get(key) != base.get(key):
-            raise ExportError(
-                f"adapter {name!r} was exported for another base model: {key} is {manifest['base'].get(key)} "
-                f"in the bundle, {base.get(key)} in {base_dir}"
-            )
-    weights = "adapter_model.safetensors" if manifest["kind"] == "lora" else "reft_weights.safetensors"
-    check_finite(load_tensors(Path(path) / weights))
-    return manifest
+from preft.serving.bundle_store import BundleStore
 
 
 def vllm_arguments(args, base_dir: Path) -> list[str]:
@@ -51,6 +35,8 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
         "--enable-lora", "--max-loras", str(args.max_adapters), "--max-lora-rank", str(args.max_rank),
         "--max-model-len", str(args.max_model_len), "--enforce-eager", "--dtype", args.dtype,
         "--scheduler-cls", SCHEDULER_CLS,
+        # SIGTERM: vLLM stops admitting and lets running requests finish for up to this long
+        "--shutdown-timeout", str(args.drain_seconds),
     ]
     served_name = args.served_model_name or ("base" if args.model == "default" else None)
     if served_name:
@@ -63,11 +49,18 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
 def server_environment(args, base_dir: Path, reft_adapters: dict[str, str]) -> dict[str, str]:
     """The server's environment: vLLM's settings and PreFT's (each is described in :mod:`preft.envs`)."""
     env = dict(os.environ)
-    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if args.allow_runtime_loading:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env["PREFT_SERVE_ADAPTER_ROOT"] = str(Path(args.adapter_root).resolve())
+    else:  # vLLM then serves no load/unload routes at all, and neither does PreFT
+        env.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
+        env.pop("PREFT_SERVE_ADAPTER_ROOT", None)
+    env["PREFT_SERVE_STORE"] = str(args.state_dir)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     # the API server checks bundles loaded at run time against these (preft.serving.api_server)
     env["PREFT_SERVE_BASE"], env["PREFT_SERVE_MAX_RANK"] = str(base_dir), str(args.max_rank)
     env["PREFT_SERVE_REFT"] = json.dumps(reft_adapters)
+    env["PREFT_SERVE_LORA"] = json.dumps(dict(spec.split("=", 1) for spec in getattr(args, "lora_adapters", [])))
     env["PREFT_SERVE_BASE_NAME"] = args.served_model_name or ("base" if args.model == "default" else str(base_dir))
     env["PREFT_REFT_SLOTS"] = str(args.max_adapters)  # --max-adapters bounds ReFT-P bundles too
     if args.all_token:
@@ -77,24 +70,56 @@ def server_environment(args, base_dir: Path, reft_adapters: dict[str, str]) -> d
     return env
 
 
+def check_port_free(host: str, port: int) -> None:
+    """One clear line, before the model loads, if the address is taken (vLLM's own answer is a
+    traceback once the engine is up)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, port))
+    except OSError as err:
+        raise ExportError(f"cannot listen on {host}:{port}: {err.strerror or err} (is another server running?)") from None
+
+
 def serve(args) -> int:
+    import tempfile
+
     import preft
 
     base_dir = Path(preft.DEFAULT_BASE_MODEL if args.model == "default" else args.model)
     if not (base_dir / "config.json").is_file():
         raise ExportError(f"base model not found (no config.json): {base_dir}")
+    if args.allow_runtime_loading and not args.adapter_root:
+        raise ExportError("--allow-runtime-loading needs --adapter-root DIR: runtime loads may only read bundles "
+                          "under it")
+    if args.adapter_root and not Path(args.adapter_root).is_dir():
+        raise ExportError(f"--adapter-root is not a directory: {args.adapter_root}")
+    names = [spec.split("=", 1)[0] for spec in args.adapter if "=" in spec]
+    duplicated = sorted({name for name in names if names.count(name) > 1})
+    if duplicated:
+        raise ExportError(f"--adapter names must be unique: {', '.join(duplicated)} given more than once")
+    check_port_free(args.host, args.port)
+    temporary_store = args.state_dir is None
+    if temporary_store:
+        args.state_dir = tempfile.mkdtemp(prefix="preft-serve-bundles-")
+    store = BundleStore(args.state_dir, base_dir, args.max_rank)
     args.lora_adapters, reft_adapters = [], {}
     for spec in args.adapter:
         if "=" not in spec:
             raise ExportError(f"--adapter {spec!r} is not of the form NAME=BUNDLE_DIR")
         name, path = spec.split("=", 1)
-        manifest = check_bundle(name, path, base_dir, args.max_rank)
+        if not name:
+            raise ExportError(f"--adapter {spec!r} has an empty name")
+        copy, manifest = store.add(name, path)
         if manifest["kind"] == "reft":
-            reft_adapters[name] = str(Path(path).resolve())
+            reft_adapters[name] = str(copy)
         else:
-            args.lora_adapters.append(spec)
+            args.lora_adapters.append(f"{name}={copy}")
 
     env = server_environment(args, base_dir, reft_adapters)
+    if temporary_store:  # the API server keeps this process's pid across exec and removes it at exit
+        env["PREFT_SERVE_STORE_OWNER_PID"] = str(os.getpid())
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_arguments(args, base_dir)]
     print("preft serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
     os.execve(sys.executable, argv, env)  # the server replaces this process
@@ -119,4 +144,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--all-token", action="store_true",
                         help="apply every adapter (LoRA and ReFT) to all tokens: the standard multi-adapter baseline")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--drain-seconds", type=int, default=30,
+                        help="on SIGTERM, how long running requests may take to finish before the server exits "
+                             "(vLLM's --shutdown-timeout; 0 aborts them at once; default 30)")
+    parser.add_argument("--allow-runtime-loading", action="store_true",
+                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default; needs "
+                             "--adapter-root; honours --api-key like every /v1 route)")
+    parser.add_argument("--adapter-root", default=None, metavar="DIR",
+                        help="runtime loads may only read bundles under DIR (paths resolved, links followed)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
+                        help="where the server keeps its checked copies of the bundles it serves "
+                             "(default: a new temporary directory)")
     parser.add_argument("vllm_args", nargs="*", help="after --: extra vLLM server arguments")

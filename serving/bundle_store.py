@@ -1,0 +1,132 @@
+"""The server's own copies of the bundles it serves: read once, checked, content-addressed.
+
+``preft serve`` never serves a bundle from the user's directory. When an adapter is given at
+start-up or loaded at run time, :meth:`BundleStore.add` copies the bundle's files into a
+temporary directory inside the store, checks that copy (:func:`check_bundle`: manifest, kind,
+rank, base model, complete and finite weights), and renames it to ``STORE/<sha256 of its
+files>``. The engine reads only that copy, so a bundle that is later deleted, moved or
+re-exported in place cannot change or crash what is served, and a re-exported bundle loaded
+again is a new directory with its new weights (never a stale cache hit).
+
+Runtime loads may only name directories under the server's adapter root
+(:func:`resolve_under_root`): the path is resolved (``..`` and links followed) before the
+check, and a path outside it is refused without saying whether it exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from preft.export import (MANIFEST, ExportError, read_json, base_fingerprint, check_finite, check_lora,
+                          load_tensors, read_manifest)
+
+#: the files of a bundle, by kind (``preft export`` writes exactly these)
+BUNDLE_FILES = {"lora": ("adapter_config.json", "adapter_model.safetensors"), "reft": ("reft_weights.safetensors",)}
+
+
+def check_bundle(name: str, path: str | Path, base_dir: Path, max_rank: int) -> dict:
+    """Refuse a bundle that this server cannot serve; returns its manifest."""
+    if not Path(path).is_dir():
+        raise ExportError(f"adapter {name!r}: bundle directory not found: {path}")
+    manifest = read_manifest(path)
+    if manifest.get("kind") not in BUNDLE_FILES:
+        raise ExportError(f"adapter {name!r}: unknown bundle kind {manifest.get('kind')!r}")
+    rank = manifest.get("rank")
+    if not isinstance(rank, int) or rank <= 0:
+        raise ExportError(f"adapter {name!r}: the manifest's rank {rank!r} is not a positive integer")
+    if rank > max_rank:
+        raise ExportError(f"adapter {name!r}: rank {rank} is over --max-rank {max_rank}")
+    base = json.loads((base_dir / "config.json").read_text())
+    recorded = manifest.get("base") if isinstance(manifest.get("base"), dict) else {}
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+        if recorded.get(key) != base.get(key):
+            raise ExportError(
+                f"adapter {name!r} was exported for another base model: {key} is {recorded.get(key)} "
+                f"in the bundle, {base.get(key)} in {base_dir}"
+            )
+    if manifest["kind"] == "lora":
+        tensors = load_tensors(Path(path) / "adapter_model.safetensors")
+        config = read_json(Path(path) / "adapter_config.json", "adapter config")
+        if not isinstance(config, dict) or check_lora(tensors, config, base_fingerprint(base_dir), max_rank) != rank:
+            raise ExportError(f"adapter {name!r}: adapter_config.json does not match the manifest's rank {rank}")
+    else:
+        tensors = load_tensors(Path(path) / "reft_weights.safetensors")
+        _check_reft(name, manifest, tensors, base)
+    check_finite(tensors)
+    return manifest
+
+
+def _check_reft(name: str, manifest: dict, tensors: dict, base: dict) -> None:
+    """A ReFT-P bundle's manifest and weights agree: every listed layer exists in the base and has
+    its three tensors, of shapes (rank, hidden), (rank, hidden), (rank)."""
+    if manifest.get("intervention") not in ("loreft", "direft"):
+        raise ExportError(f"adapter {name!r}: unknown intervention {manifest.get('intervention')!r}")
+    layers, rank, hidden = manifest.get("layers"), manifest["rank"], base["hidden_size"]
+    if not isinstance(layers, list) or not layers or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < base["num_hidden_layers"] for i in layers):
+        raise ExportError(f"adapter {name!r}: the manifest's layers {layers!r} are not layers of the base")
+    shapes = {"proj": (rank, hidden), "source_weight": (rank, hidden), "source_bias": (rank,)}
+    expected = {f"layers.{i}.{part}": shape for i in layers for part, shape in shapes.items()}
+    if set(tensors) != set(expected):
+        raise ExportError(f"adapter {name!r}: reft_weights.safetensors does not hold the manifest's layers "
+                          f"(missing {sorted(set(expected) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(expected))[:3]})")
+    wrong = [key for key, shape in expected.items() if tuple(tensors[key].shape) != shape]
+    if wrong:
+        raise ExportError(f"adapter {name!r}: {wrong[0]} has shape {tuple(tensors[wrong[0]].shape)}, "
+                          f"expected {expected[wrong[0]]}")
+
+
+def resolve_under_root(path: str, root: Path) -> Path:
+    """``path`` resolved, if it lies under ``root`` (resolved too); else an error that names
+    neither the path nor whether it exists."""
+    resolved = Path(path).resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise ExportError("lora_path is outside the server's adapter root (preft serve --adapter-root)")
+    return resolved
+
+
+def _digest(directory: Path, files: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for name in (MANIFEST, *files):
+        digest.update(name.encode() + b"\0" + (directory / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+class BundleStore:
+    """Content-addressed copies of bundles under ``root`` (the server's state directory)."""
+
+    def __init__(self, root: str | Path, base_dir: Path, max_rank: int) -> None:
+        self.root, self.base_dir, self.max_rank = Path(root), Path(base_dir), max_rank
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def add(self, name: str, source: str | Path) -> tuple[Path, dict]:
+        """Copy, check and file the bundle at ``source``; ``(its copy in the store, manifest)``."""
+        source = Path(source)
+        if not source.is_dir():
+            raise ExportError(f"adapter {name!r}: bundle directory not found: {source}")
+        kind = read_manifest(source).get("kind")
+        if kind not in BUNDLE_FILES:
+            raise ExportError(f"adapter {name!r}: unknown bundle kind {kind!r}")
+        staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=self.root))
+        try:
+            for file in (MANIFEST, *BUNDLE_FILES[kind]):
+                if not (source / file).is_file():
+                    raise ExportError(f"adapter {name!r}: the bundle has no {file}")
+                shutil.copyfile(source / file, staging / file)
+            manifest = check_bundle(name, staging, self.base_dir, self.max_rank)  # what is served is what is checked
+            if manifest.get("kind") != kind:
+                raise ExportError(f"adapter {name!r}: the bundle changed while it was being read")
+            target = self.root / _digest(staging, BUNDLE_FILES[kind])
+            if target.is_dir():
+                shutil.rmtree(staging)
+            else:
+                os.rename(staging, target)
+            return target, manifest
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,46 @@
+"""Start and stop a real ``preft serve`` in a child process, on loopback (tests, the soak benchmark)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(args: list[str], log: Path, timeout_s: float = 240, env: dict | None = None
+                 ) -> tuple[subprocess.Popen, str, float]:
+    """``preft serve ARGS --port P`` until ``/health`` answers: ``(process, url, seconds to ready)``."""
+    port = free_port()
+    handle = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "preft.cli", "serve", "--port", str(port), *args],
+                            stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    started, url = time.time(), f"http://127.0.0.1:{port}"
+    while time.time() - started < timeout_s:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url, time.time() - started
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("preft serve died:\n" + log.read_text()[-4000:])
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"preft serve not ready in {timeout_s} s:\n" + log.read_text()[-4000:])
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
