@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -12,6 +11,7 @@ from typing import Any
 from peft import LoraConfig
 
 import preft
+from preft.recipe_config import check_fields
 from preft.trainers.checks import check_model_path
 
 ADAPTER_TYPES = {
@@ -28,12 +28,17 @@ def resolve_model(name: str) -> str:
     return path
 
 
+ADAPTER_CLASSES = {"lora_p": preft.PreftLoraConfig, "reft_p": preft.PreftReftConfig, "lora": LoraConfig}
+
+
 def build_adapter_config(section: dict[str, Any]):
-    """``{"type": "lora_p", "r": 16, ...}`` -> a PEFT config; unknown types and fields are errors."""
+    """``{"type": "lora_p", "r": 16, ...}`` -> a PEFT config; unknown types and fields, and values
+    of the wrong type, are errors."""
     section = dict(section)
     kind = section.pop("type", None)
     if kind not in ADAPTER_TYPES:
         raise ValueError(f"adapter.type {kind!r} is not supported by this recipe (choose one of {sorted(ADAPTER_TYPES)})")
+    check_fields(ADAPTER_CLASSES[kind], section, "adapter")
     try:
         return ADAPTER_TYPES[kind](task_type="CAUSAL_LM", **section)
     except TypeError as err:  # an unknown dataclass field
@@ -41,18 +46,55 @@ def build_adapter_config(section: dict[str, Any]):
 
 
 def build_trl_args(config_cls, section: dict[str, Any], output_dir: str):
-    """A TRL config dataclass from the ``trainer`` section; unknown keys name themselves."""
-    known = {f.name for f in dataclasses.fields(config_cls)}
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ValueError(f"trainer: unknown {config_cls.__name__} field(s) {unknown}")
+    """A TRL config dataclass from the ``trainer`` section; unknown keys and values of the wrong
+    type name themselves (:func:`preft.recipe_config.check_fields`), before anything is written."""
+    check_fields(config_cls, section, "trainer")
     section = dict(section)
     if section.get("report_to") == "wandb":
         # offline unless the user chose otherwise; runs land next to the checkpoints
         os.environ.setdefault("WANDB_MODE", "offline")
         os.environ.setdefault("WANDB_DIR", output_dir)
         os.environ.setdefault("WANDB_PROJECT", "preft")
-    return config_cls(output_dir=output_dir, **section)
+    try:
+        return config_cls(output_dir=output_dir, **section)
+    except (ValueError, TypeError) as err:  # the dataclass's own checks (combinations of fields)
+        raise ValueError(f"trainer: {err}") from None
+
+
+CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
+
+
+def _complete(checkpoint: Path) -> bool:
+    weights = ("adapter_model.safetensors", "model.safetensors", "pytorch_model.bin")
+    return all((checkpoint / name).is_file() for name in CHECKPOINT_FILES) and any(
+        (checkpoint / name).is_file() for name in weights)
+
+
+def resolve_resume(output_dir: str, resume: Any) -> str | None:
+    """The checkpoint ``resume_from_checkpoint`` means: ``true`` = the newest *complete*
+    checkpoint in ``output_dir`` (one that lost a file, say to a crash while saving, is skipped
+    with a message); a path must be a complete checkpoint; ``null`` / ``false`` = none."""
+    if resume in (None, False):
+        return None
+    if resume is True:
+        found = sorted(Path(output_dir).glob("checkpoint-*"),
+                       key=lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1)
+        for checkpoint in reversed(found):
+            if _complete(checkpoint):
+                return str(checkpoint)
+            print(f"resume: skipping incomplete {checkpoint} (missing one of {', '.join(CHECKPOINT_FILES)} "
+                  "or its weights)")
+        raise ValueError(f"resume_from_checkpoint=true, but {output_dir} has no complete checkpoint")
+    if not isinstance(resume, str) or not _complete(Path(resume)):
+        raise ValueError(f"resume_from_checkpoint {resume!r} is not a complete checkpoint directory")
+    return resume
+
+
+def steps_done(checkpoint: str | None) -> int:
+    """The global step a checkpoint was saved at (0 without one)."""
+    if checkpoint is None:
+        return 0
+    return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text()).get("global_step", 0))
 
 
 def check_keys(config: dict[str, Any], required: set[str], optional: set[str], where: str = "recipe") -> None:
@@ -74,3 +116,20 @@ def write_summary(output_dir: str, summary: dict[str, Any], started: float) -> P
 def train_log(log_history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     """``(step, value)`` pairs of one logged metric."""
     return [(entry["step"], entry[key]) for entry in log_history if key in entry]
+
+
+def train(trainer, resume: str | None) -> None:
+    """``trainer.train``, resuming from ``resume``; a run whose checkpoint already reached
+    ``max_steps`` is not trained further (transformers would take one more step): its weights
+    and state are restored from the checkpoint instead."""
+    done, max_steps = steps_done(resume), trainer.args.max_steps
+    if resume is None or max_steps <= 0 or done < max_steps:
+        trainer.train(resume_from_checkpoint=resume)
+        return
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import TrainerState
+
+    print(f"resume: {resume} is at step {done} of max_steps {max_steps}: nothing left to train")
+    set_peft_model_state_dict(trainer.model, load_file(str(Path(resume) / "adapter_model.safetensors")))
+    trainer.state = TrainerState.load_from_json(str(Path(resume) / "trainer_state.json"))

@@ -25,14 +25,16 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig
 
 from preft.data import arithmetic_prompts, exact_match_reward
+from preft.recipe_config import check_section
 from preft.recipes.common import (
-    build_adapter_config, build_trl_args, check_keys, resolve_model, train_log, write_summary,
+    build_adapter_config, build_trl_args, check_keys, resolve_model, resolve_resume, train, train_log,
+    write_summary,
 )
 from preft.trainers import PreftGRPOTrainer
 
 
 def build_datasets(data: dict[str, Any]) -> tuple[Dataset, Dataset]:
-    check_keys(data, {"task", "train_prompts", "eval_prompts", "max_value"}, set(), where="data")
+    check_section(data, {"task": str, "train_prompts": int, "eval_prompts": int, "max_value": int}, "data")
     if data["task"] != "arithmetic":
         raise ValueError(f"data.task {data['task']!r} is not supported by the grpo recipe (use 'arithmetic')")
     train = arithmetic_prompts(data["train_prompts"], seed=0, max_value=data["max_value"])
@@ -61,13 +63,14 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     train_set, eval_set = build_datasets(config["data"])
     peft_config = build_adapter_config(config["adapter"])
     args = build_trl_args(GRPOConfig, config["trainer"], output_dir)
+    resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     trainer = PreftGRPOTrainer(model=model_path, reward_funcs=exact_match_reward, args=args,
                                train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config)
 
     max_new = args.max_completion_length
     initial_accuracy = greedy_accuracy(trainer.model, tokenizer, eval_set, max_new)
-    trainer.train(resume_from_checkpoint=config.get("resume_from_checkpoint"))
+    train(trainer, resume)
     final_accuracy = greedy_accuracy(trainer.model, tokenizer, eval_set, max_new)
 
     adapter_dir = Path(output_dir) / "adapter"

@@ -29,6 +29,8 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from preft.data import pretraining_corpus
+from preft.recipe_config import RecipeConfigError, check_section
+from preft.recipes.common import check_keys
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # A minimal chat template so /v1/chat/completions works on the default model.
@@ -82,8 +84,22 @@ def evaluate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int) -> 
     return sum(losses) / len(losses)
 
 
+def check_config(config: dict[str, Any]) -> None:
+    """Every section's keys and value types, before anything is written."""
+    check_keys(config, {"recipe", "output_dir", "seed", "data", "tokenizer", "model", "train"}, set())
+    check_section(config["data"], {"corpus_lines": int, "eval_lines": int, "seq_len": int}, "data")
+    check_section(config["tokenizer"], {"vocab_size": int}, "tokenizer")
+    check_section(config["train"], {"batch_size": int, "max_steps": int, "lr": float, "warmup_steps": (int, 0),
+                                    "weight_decay": (float, 0), "eval_every": int, "threads": int}, "train")
+    if not isinstance(config["model"], dict):
+        raise RecipeConfigError(f"model must be a mapping of LlamaConfig fields, got {config['model']!r}")
+    if isinstance(config["seed"], bool) or not isinstance(config["seed"], int):
+        raise RecipeConfigError(f"seed must be an integer, got {config['seed']!r}")
+
+
 def main(config: dict[str, Any]) -> dict[str, Any]:
     started = time.time()
+    check_config(config)
     data_cfg, train_cfg = config["data"], config["train"]
     torch.manual_seed(config["seed"])
     random.seed(config["seed"])

@@ -27,14 +27,16 @@ from transformers import AutoTokenizer
 from trl import SFTConfig
 
 from preft.data import user_examples
+from preft.recipe_config import check_section
 from preft.recipes.common import (
-    build_adapter_config, build_trl_args, check_keys, resolve_model, train_log, write_summary,
+    build_adapter_config, build_trl_args, check_keys, resolve_model, resolve_resume, train, train_log,
+    write_summary,
 )
 from preft.trainers import PreftSFTTrainer
 
 
 def build_datasets(data: dict[str, Any]) -> tuple[Dataset, Dataset]:
-    check_keys(data, {"task", "user", "train_examples", "eval_examples"}, set(), where="data")
+    check_section(data, {"task": str, "user": (int, 0), "train_examples": int, "eval_examples": int}, "data")
     if data["task"] != "user_rule":
         raise ValueError(f"data.task {data['task']!r} is not supported by the sft recipe (use 'user_rule')")
     train = user_examples(data["user"], data["train_examples"], seed=0)
@@ -52,13 +54,13 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     train_set, eval_set = build_datasets(config["data"])
     peft_config = build_adapter_config(config["adapter"])
     args = build_trl_args(SFTConfig, config["trainer"], output_dir)
+    resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     trainer = PreftSFTTrainer(model=model_path, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, peft_config=peft_config)
 
-    resume = config.get("resume_from_checkpoint")
     initial_eval = None if resume else trainer.evaluate()["eval_loss"]
-    trainer.train(resume_from_checkpoint=resume)
+    train(trainer, resume)
     final_eval = trainer.evaluate()["eval_loss"]
 
     # 4. save
