@@ -37,6 +37,7 @@ bench: install
 	$(BIN)/preft bench lora-ops
 	$(BIN)/preft bench throughput
 	$(BIN)/preft bench throughput --model 512x8 --adapters 1,8,64 --prompts 64 --rounds 3
+	$(BIN)/preft bench soak
 
 # Rebuild the embedded default base model (about 15 minutes on 2 CPU cores).
 base-model: install

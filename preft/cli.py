@@ -18,6 +18,7 @@ BENCHMARKS = {
     "lora-ops": ("preft.eval.bench_lora_ops", "CPU multi-LoRA ops on one prefill step: vLLM stock vs PreFT's planned ops"),
     "throughput": ("preft.eval.bench_throughput",
                    "serving output tokens/s: base, stock multi-LoRA, tiled all-token LoRA, LoRA-P, ReFT-P"),
+    "soak": ("preft.eval.bench_soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
 }
 
 RECIPES = {
@@ -56,7 +57,7 @@ def _export(args) -> int:
         import preft
 
         base = preft.DEFAULT_BASE_MODEL
-    manifest = export_adapter(args.adapter_dir, base, args.output, max_rank=args.max_rank)
+    manifest = export_adapter(args.adapter_dir, base, args.output, max_rank=args.max_rank, overwrite=args.overwrite)
     print(f"exported {manifest['kind']} adapter (rank {manifest['rank']}, prefill_only={manifest['prefill_only']}, "
           f"adapter_start={manifest['adapter_start']}) to {args.output}")
     return 0
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--base", required=True, help="base model directory ('default' = the embedded model)")
     export.add_argument("-o", "--output", required=True, help="bundle directory to write")
     export.add_argument("--max-rank", type=int, default=64, help="largest rank the server accepts (default 64)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an existing bundle at -o (only a PreFT bundle is ever replaced)")
     export.set_defaults(run=_export)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible vLLM server; adapters apply to prompt tokens only")
