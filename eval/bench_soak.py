@@ -181,8 +181,15 @@ async def drive(url: str, root: Path, reference: dict, seconds: float, concurren
                 await bad_request()
 
     async def sample_memory() -> None:
+        """Memory every 2 s, and a progress line every 30 s."""
+        last_line = time.time()
         while time.time() < deadline:
             memory.append((time.time(), process_tree_rss(pid)))
+            if time.time() - last_line >= 30:
+                last_line = time.time()
+                bad = sum(not r["ok"] for r in records)
+                print(f"soak: {last_line - started:.0f}/{seconds:.0f} s, {len(records)} requests, {bad} not as "
+                      f"expected, server RSS {memory[-1][1]:.0f} MB", flush=True)
             await asyncio.sleep(2.0)
         memory.append((time.time(), process_tree_rss(pid)))
 
