@@ -39,6 +39,7 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import preft
+from preft.constants import REFT_EXTRA_ARG
 from preft.eval.report import REPO, default_of, write_result
 from preft.export import export_adapter
 from preft.serving.server_process import start_server, stop_server
@@ -146,7 +147,7 @@ async def drive(url: str, root: Path, reference: dict, seconds: float, concurren
         elif choice == 1:
             await complete("lora1", "add 1 2 =", 400, "bad request", {"max_tokens": 0})
         elif choice == 2:
-            await complete("base", "add 1 2 =", 400, "bad request", {"vllm_xargs": {"preft_reft": str(root / "reft0")}})
+            await complete("base", "add 1 2 =", 400, "bad request", {"vllm_xargs": {REFT_EXTRA_ARG: str(root / "reft0")}})
         elif choice == 3:
             await post("/v1/load_lora_adapter", {"lora_name": "escape", "lora_path": "/etc"}, 400, "bad request")
         elif choice == 4:
