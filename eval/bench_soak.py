@@ -147,7 +147,8 @@ async def drive(url: str, root: Path, reference: dict, seconds: float, concurren
         elif choice == 1:
             await complete("lora1", "add 1 2 =", 400, "bad request", {"max_tokens": 0})
         elif choice == 2:
-            await complete("base", "add 1 2 =", 400, "bad request", {"vllm_xargs": {REFT_EXTRA_ARG: str(root / "reft0")}})
+            reserved = {"vllm_xargs": {REFT_EXTRA_ARG: str(root / "reft0")}}  # only the server picks bundles
+            await complete("base", "add 1 2 =", 400, "bad request", reserved)
         elif choice == 3:
             await post("/v1/load_lora_adapter", {"lora_name": "escape", "lora_path": "/etc"}, 400, "bad request")
         elif choice == 4:
