@@ -15,22 +15,23 @@ check, and a path outside it is refused without saying whether it exists.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from preft.export import (MANIFEST, ExportError, read_json, base_fingerprint, check_finite, check_lora,
+from preft.export import (MANIFEST, ExportError, base_fingerprint, check_finite, check_lora, read_json,
                           load_tensors, read_manifest)
 
 #: the files of a bundle, by kind (``preft export`` writes exactly these)
 BUNDLE_FILES = {"lora": ("adapter_config.json", "adapter_model.safetensors"), "reft": ("reft_weights.safetensors",)}
 
 
-def check_bundle(name: str, path: str | Path, base_dir: Path, max_rank: int) -> dict:
-    """Refuse a bundle that this server cannot serve; returns its manifest."""
+def check_bundle(name: str, path: str | Path, base: dict, max_rank: int) -> dict:
+    """Refuse a bundle that this server cannot serve (``base``: :func:`preft.export.base_fingerprint`
+    of the served model); returns its manifest."""
     if not Path(path).is_dir():
         raise ExportError(f"adapter {name!r}: bundle directory not found: {path}")
     manifest = read_manifest(path)
@@ -41,18 +42,17 @@ def check_bundle(name: str, path: str | Path, base_dir: Path, max_rank: int) -> 
         raise ExportError(f"adapter {name!r}: the manifest's rank {rank!r} is not a positive integer")
     if rank > max_rank:
         raise ExportError(f"adapter {name!r}: rank {rank} is over --max-rank {max_rank}")
-    base = json.loads((base_dir / "config.json").read_text())
     recorded = manifest.get("base") if isinstance(manifest.get("base"), dict) else {}
     for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
         if recorded.get(key) != base.get(key):
             raise ExportError(
                 f"adapter {name!r} was exported for another base model: {key} is {recorded.get(key)} "
-                f"in the bundle, {base.get(key)} in {base_dir}"
+                f"in the bundle, {base.get(key)} in the served model"
             )
     if manifest["kind"] == "lora":
         tensors = load_tensors(Path(path) / "adapter_model.safetensors")
         config = read_json(Path(path) / "adapter_config.json", "adapter config")
-        if not isinstance(config, dict) or check_lora(tensors, config, base_fingerprint(base_dir), max_rank) != rank:
+        if not isinstance(config, dict) or check_lora(tensors, config, base, max_rank) != rank:
             raise ExportError(f"adapter {name!r}: adapter_config.json does not match the manifest's rank {rank}")
     else:
         tensors = load_tensors(Path(path) / "reft_weights.safetensors")
@@ -104,6 +104,11 @@ class BundleStore:
         self.root, self.base_dir, self.max_rank = Path(root), Path(base_dir), max_rank
         self.root.mkdir(parents=True, exist_ok=True)
 
+    @functools.cached_property
+    def base(self) -> dict:
+        """The served model's fingerprint (its config and weight shapes), read once, on the first add."""
+        return base_fingerprint(self.base_dir)
+
     def add(self, name: str, source: str | Path) -> tuple[Path, dict]:
         """Copy, check and file the bundle at ``source``; ``(its copy in the store, manifest)``."""
         source = Path(source)
@@ -118,7 +123,7 @@ class BundleStore:
                 if not (source / file).is_file():
                     raise ExportError(f"adapter {name!r}: the bundle has no {file}")
                 shutil.copyfile(source / file, staging / file)
-            manifest = check_bundle(name, staging, self.base_dir, self.max_rank)  # what is served is what is checked
+            manifest = check_bundle(name, staging, self.base, self.max_rank)  # what is served is what is checked
             if manifest.get("kind") != kind:
                 raise ExportError(f"adapter {name!r}: the bundle changed while it was being read")
             target = self.root / _digest(staging, BUNDLE_FILES[kind])

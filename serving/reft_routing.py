@@ -21,6 +21,7 @@ server process.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -49,13 +50,17 @@ def runtime_loading() -> bool:
     return envs.PREFT_SERVE_ADAPTER_ROOT is not None
 
 
+@functools.cache
+def bundle_store() -> BundleStore:
+    """This server's store (one per API-server process; it reads the base model once)."""
+    return BundleStore(envs.PREFT_SERVE_STORE, Path(envs.PREFT_SERVE_BASE), envs.PREFT_SERVE_MAX_RANK)
+
+
 def add_runtime_bundle(name: str, path: str) -> tuple[Path, dict]:
     """The server's checked copy of the bundle a runtime load names (under the adapter root)."""
     if not isinstance(path, str) or not path:
         raise ExportError("'lora_path' must be provided")
-    source = resolve_under_root(path, Path(envs.PREFT_SERVE_ADAPTER_ROOT))
-    store = BundleStore(envs.PREFT_SERVE_STORE, Path(envs.PREFT_SERVE_BASE), envs.PREFT_SERVE_MAX_RANK)
-    return store.add(name, source)
+    return bundle_store().add(name, resolve_under_root(path, Path(envs.PREFT_SERVE_ADAPTER_ROOT)))
 
 
 def _kind_under_root(path) -> str | None:

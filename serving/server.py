@@ -83,6 +83,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def serve(args) -> int:
+    import shutil
     import tempfile
 
     import preft
@@ -105,17 +106,22 @@ def serve(args) -> int:
         args.state_dir = tempfile.mkdtemp(prefix="preft-serve-bundles-")
     store = BundleStore(args.state_dir, base_dir, args.max_rank)
     args.lora_adapters, reft_adapters = [], {}
-    for spec in args.adapter:
-        if "=" not in spec:
-            raise ExportError(f"--adapter {spec!r} is not of the form NAME=BUNDLE_DIR")
-        name, path = spec.split("=", 1)
-        if not name:
-            raise ExportError(f"--adapter {spec!r} has an empty name")
-        copy, manifest = store.add(name, path)
-        if manifest["kind"] == "reft":
-            reft_adapters[name] = str(copy)
-        else:
-            args.lora_adapters.append(f"{name}={copy}")
+    try:
+        for spec in args.adapter:
+            if "=" not in spec:
+                raise ExportError(f"--adapter {spec!r} is not of the form NAME=BUNDLE_DIR")
+            name, path = spec.split("=", 1)
+            if not name:
+                raise ExportError(f"--adapter {spec!r} has an empty name")
+            copy, manifest = store.add(name, path)
+            if manifest["kind"] == "reft":
+                reft_adapters[name] = str(copy)
+            else:
+                args.lora_adapters.append(f"{name}={copy}")
+    except ExportError:
+        if temporary_store:  # made above, for this server only: nothing is left behind
+            shutil.rmtree(args.state_dir, ignore_errors=True)
+        raise
 
     env = server_environment(args, base_dir, reft_adapters)
     if temporary_store:  # the API server keeps this process's pid across exec and removes it at exit
