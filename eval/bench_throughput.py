@@ -22,7 +22,6 @@ apart) and the median over rounds is reported, so a machine whose speed drifts d
 
 from __future__ import annotations
 
-import inspect
 import os
 import platform
 import statistics
@@ -224,11 +223,10 @@ def main(adapter_counts=(1, 8, 64, 256), prompts: int = 256, prompt_tokens: int 
 
 def command_line(**given) -> str:
     """The ``preft bench throughput`` command for ``main(**given)``, naming only non-defaults."""
-    defaults = {name: parameter.default for name, parameter in inspect.signature(main).parameters.items()}
     flags = {"adapter_counts": "adapters"}
     return "preft bench throughput" + "".join(
         f" --{flags.get(key, key).replace('_', '-')} {','.join(map(str, value)) if key == 'adapter_counts' else value}"
-        for key, value in given.items() if value != defaults[key])
+        for key, value in given.items() if value != default_of(main, key))
 
 
 def report(result: dict) -> str:

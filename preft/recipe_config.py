@@ -144,10 +144,10 @@ def check_section(section: Any, schema: dict[str, type | tuple[type, ...]], wher
     if not isinstance(section, dict):
         raise RecipeConfigError(f"{where} must be a mapping, got {section!r}")
     missing, unknown = sorted(set(schema) - set(section)), sorted(set(section) - set(schema))
-    if missing or unknown:
-        raise RecipeConfigError(f"{where}: missing key(s) {missing}, unknown key(s) {unknown} (known: {sorted(schema)})"
-                                if missing and unknown else f"{where}: missing key(s) {missing}" if missing
-                                else f"{where}: unknown key(s) {unknown} (known: {sorted(schema)})")
+    if missing:
+        raise RecipeConfigError(f"{where}: missing key(s) {missing}")
+    if unknown:
+        raise RecipeConfigError(f"{where}: unknown key(s) {unknown} (known: {sorted(schema)})")
     for key, kind in schema.items():
         value, low = section[key], 1
         if isinstance(kind, tuple):

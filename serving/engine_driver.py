@@ -33,7 +33,7 @@ from typing import Any
 
 MARKER = "PREFT_ENGINE "
 #: engine settings unless a spec overrides them: float32 (HF parity), eager (CPU LoRA has no
-#: torch.compile), PreFT's scheduler
+#: torch.compile); PreFT's scheduler is added to every engine
 ENGINE_DEFAULTS = {"dtype": "float32", "max_model_len": 256, "seed": 0, "enforce_eager": True}
 
 

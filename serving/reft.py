@@ -178,7 +178,7 @@ def build_reft_plan(bank: ReftBank, bundles: list[str | None], num_computed_toke
     token_active &= has_bundle[request_of_token]
     if not token_active.any():
         return None
-    using = sorted(set(np.unique(request_of_token[token_active]).tolist()))
+    using = np.unique(request_of_token[token_active]).tolist()
     slot_of = bank.acquire([bundles[r] for r in using])
     request_slot = np.full(len(bundles), -1, dtype=np.int64)
     for r in using:
