@@ -2,7 +2,7 @@
 
 One batch mixes a LoReFT-P bundle, a DiReFT-P bundle with adapter_start=2, three LoRA-P bundles
 and the bare base model; with default scheduling (twice: the second round hits the prefix
-cache for the unsalted requests) and with chunked prefill forced by an 8-token step budget.
+cache, ReFT-P blocks keyed by their bundle) and with chunked prefill forced by an 8-token step budget.
 """
 
 from __future__ import annotations
