@@ -102,10 +102,17 @@ def bundle_rule(bundle_dir: str | Path) -> AdapterRule:
 
     Cached per bundle for the life of the process (the engine asks for it per request per
     step, and a server's environment and bundle copies do not change): ``bundle_rule.cache_clear()``
-    after changing either in-process."""
+    after changing either in-process. A copy in ``preft serve``'s store without its manifest is
+    an error (``ExportError``), never all-token; errors are not cached."""
     from preft import envs
-    from preft.export import has_manifest, read_manifest  # preft.export imports the tuners
+    from preft.export import ExportError, has_manifest, read_manifest  # preft.export imports the tuners
 
-    if envs.PREFT_ALL_TOKEN or not has_manifest(bundle_dir):  # no manifest: a plain vLLM LoRA directory
+    if not has_manifest(bundle_dir):
+        store = envs.PREFT_SERVE_STORE
+        if store and Path(bundle_dir).resolve().is_relative_to(Path(store).resolve()):
+            # a copy in preft serve's store always has one: guessing "all-token" would serve wrong answers
+            raise ExportError(f"{bundle_dir}: the server's copy of this bundle lost its manifest")
+        return ALL_TOKEN  # a plain vLLM LoRA directory
+    if envs.PREFT_ALL_TOKEN:
         return ALL_TOKEN
     return AdapterRule.from_manifest(read_manifest(bundle_dir))

@@ -14,6 +14,9 @@ import preft
 from preft.recipe_config import check_fields
 from preft.trainers.checks import check_model_path
 
+#: the user's own WANDB_DIR, read once: otherwise each run's wandb files go to its output_dir
+USER_WANDB_DIR = os.environ.get("WANDB_DIR")
+
 ADAPTER_TYPES = {
     "lora_p": lambda **kw: preft.PreftLoraConfig(**kw),
     "reft_p": lambda **kw: preft.PreftReftConfig(**kw),
@@ -51,9 +54,10 @@ def build_trl_args(config_cls, section: dict[str, Any], output_dir: str):
     check_fields(config_cls, section, "trainer")
     section = dict(section)
     if section.get("report_to") == "wandb":
-        # offline unless the user chose otherwise; runs land next to the checkpoints
+        # offline unless the user chose otherwise; each run lands next to its own checkpoints
+        # (several runs in one process, as `preft eval loss` makes, each get their own)
         os.environ.setdefault("WANDB_MODE", "offline")
-        os.environ.setdefault("WANDB_DIR", output_dir)
+        os.environ["WANDB_DIR"] = USER_WANDB_DIR or output_dir
         os.environ.setdefault("WANDB_PROJECT", "preft")
     try:
         return config_cls(output_dir=output_dir, **section)

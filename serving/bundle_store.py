@@ -22,8 +22,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from preft.export import (MANIFEST, ExportError, base_fingerprint, check_finite, check_lora, read_json,
-                          load_tensors, read_manifest)
+from preft.export import (MANIFEST, ExportError, base_fingerprint, check_finite, check_lora, has_manifest,
+                          load_tensors, read_json, read_manifest)
+from preft.rule import bundle_rule
 
 #: the files of a bundle, by kind (``preft export`` writes exactly these)
 BUNDLE_FILES = {"lora": ("adapter_config.json", "adapter_model.safetensors"), "reft": ("reft_weights.safetensors",)}
@@ -81,6 +82,21 @@ def _check_reft(name: str, manifest: dict, tensors: dict, base: dict) -> None:
                           f"expected {expected[wrong[0]]}")
 
 
+def served_copy_problem(kind: str, path: str) -> str | None:
+    """Why the bundle at ``path`` cannot be served now, or None: its rule cannot be read, or a file
+    its kind needs is gone. The engine asks when a request arrives, so a copy removed from the
+    store fails that request alone (a plain vLLM LoRA directory, with no manifest, is vLLM's to
+    check)."""
+    try:
+        bundle_rule(path)
+    except Exception as err:  # noqa: BLE001 - any unreadable manifest fails the request, not the engine
+        return str(err)
+    if kind == "lora" and not has_manifest(path):
+        return None
+    missing = [file for file in (MANIFEST, *BUNDLE_FILES[kind]) if not (Path(path) / file).is_file()]
+    return f"{path}: the bundle's {missing[0]} is gone" if missing else None
+
+
 def resolve_under_root(path: str, root: Path) -> Path:
     """``path`` resolved, if it lies under ``root`` (resolved too); else an error that names
     neither the path nor whether it exists."""
@@ -95,6 +111,14 @@ def _digest(directory: Path, files: tuple[str, ...]) -> str:
     for name in (MANIFEST, *files):
         digest.update(name.encode() + b"\0" + (directory / name).read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def _intact(copy: Path, files: tuple[str, ...], digest: str) -> bool:
+    """Whether the store copy ``copy`` still holds exactly the files its name (``digest``) says."""
+    try:
+        return copy.is_dir() and _digest(copy, files) == digest
+    except OSError:
+        return False
 
 
 class BundleStore:
@@ -126,10 +150,15 @@ class BundleStore:
             manifest = check_bundle(name, staging, self.base, self.max_rank)  # what is served is what is checked
             if manifest.get("kind") != kind:
                 raise ExportError(f"adapter {name!r}: the bundle changed while it was being read")
-            target = self.root / _digest(staging, BUNDLE_FILES[kind])
-            if target.is_dir():
+            digest = _digest(staging, BUNDLE_FILES[kind])
+            target = self.root / digest
+            if _intact(target, BUNDLE_FILES[kind], digest):
                 shutil.rmtree(staging)
-            else:
+            else:  # new, or a copy damaged behind the server's back: this one replaces it
+                if target.exists():
+                    stale = Path(tempfile.mkdtemp(prefix=".stale-", dir=self.root))
+                    os.rename(target, stale / "copy")
+                    shutil.rmtree(stale, ignore_errors=True)
                 os.rename(staging, target)
             return target, manifest
         finally:

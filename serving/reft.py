@@ -95,8 +95,10 @@ class ReftBank:
             bias[:, :slots, :r], sign[:slots] = self.source_bias, self.rh_sign
         self.source_and_proj, self.source_bias, self.rh_sign, self.rank = weights, bias, sign, rank
 
-    def acquire(self, bundles: list[str]) -> dict[str, int]:
-        """Slots for one step's bundles, loading the ones not resident (LRU eviction)."""
+    def acquire(self, bundles: list[str], failures: dict[str, str] | None = None) -> dict[str, int]:
+        """Slots for one step's bundles, loading the ones not resident (LRU eviction). With
+        ``failures``, a bundle that cannot be read gets no slot and its reason is put there
+        (the engine fails its requests alone); without, the error is raised."""
         missing = [b for b in dict.fromkeys(bundles) if b not in self.slot_of]
         if len(set(bundles)) > self.capacity:
             if not self._warned:
@@ -112,7 +114,14 @@ class ReftBank:
             else:  # the least recently used bundle this step does not need
                 victim = next(b for b in self.slot_of if b not in needed)
                 slot = self.slot_of.pop(victim)
-            self._write(bundle, slot)
+            try:
+                self._write(bundle, slot)
+            except Exception as err:  # noqa: BLE001 - a bad bundle costs its own requests, not the step
+                if failures is None:
+                    raise
+                failures[bundle] = f"ReFT-P bundle {bundle} cannot be read: {err}"
+                needed.discard(bundle)
+                continue
             self.slot_of[bundle] = slot
         for bundle in needed:
             self.slot_of.move_to_end(bundle)
@@ -161,14 +170,26 @@ class ReftBank:
 
 
 def build_reft_plan(bank: ReftBank, bundles: list[str | None], num_computed_tokens: np.ndarray,
-                    num_prompt_tokens: np.ndarray, num_scheduled_tokens: np.ndarray) -> TilePlan | None:
+                    num_prompt_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
+                    failures: dict[int, str] | None = None) -> TilePlan | None:
     """The plan of one step's ReFT-P rows: per request its bundle (or None), where its scheduled
     tokens start, ``P`` and how many are scheduled. Slots are acquired only for bundles with an
-    active token this step."""
-    has_bundle = np.array([bundle is not None for bundle in bundles], dtype=bool)
-    if not has_bundle.any():
+    active token this step. With ``failures``, a request whose bundle cannot be read is put
+    there (request index -> reason) and its rows get no edit; without, the error is raised."""
+    if not any(bundles):
         return None
-    rules = [bundle_rule(bundle) if bundle else None for bundle in bundles]
+    bundles = list(bundles)
+    rules = []
+    for index, bundle in enumerate(bundles):
+        try:
+            rules.append(bundle_rule(bundle) if bundle else None)
+        except Exception as err:  # noqa: BLE001 - an unreadable manifest fails its request alone
+            if failures is None:
+                raise
+            failures[index] = f"ReFT-P bundle {bundle} cannot be read: {err}"
+            bundles[index] = None
+            rules.append(None)
+    has_bundle = np.array([bundle is not None for bundle in bundles], dtype=bool)
     request_of_token, token_active, _ = active_scheduled_tokens(
         np.array([rule is not None and rule.prefill_only for rule in rules], dtype=bool),
         np.array([rule.adapter_start if rule else 0 for rule in rules], dtype=np.int64),
@@ -179,11 +200,17 @@ def build_reft_plan(bank: ReftBank, bundles: list[str | None], num_computed_toke
     if not token_active.any():
         return None
     using = np.unique(request_of_token[token_active]).tolist()
-    slot_of = bank.acquire([bundles[r] for r in using])
+    unreadable: dict[str, str] | None = {} if failures is not None else None
+    slot_of = bank.acquire([bundles[r] for r in using], unreadable)
     request_slot = np.full(len(bundles), -1, dtype=np.int64)
     for r in using:
-        request_slot[r] = slot_of[bundles[r]]
+        if bundles[r] in slot_of:
+            request_slot[r] = slot_of[bundles[r]]
+        else:
+            failures[r] = unreadable[bundles[r]]
     token_slot = np.where(token_active, request_slot[request_of_token], -1)
+    if not (token_slot >= 0).any():
+        return None
     return build_tile_plan(torch.from_numpy(token_slot).to(bank.device))
 
 

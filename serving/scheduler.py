@@ -14,22 +14,45 @@ scheduling policies of the next issues subclass it.
   have active tokens in one step (the worker's bank has that many slots). A request whose
   chunk would need one more is left for a later step (``_reserve_prefill_lookahead``
   returning 0: a running request waits a step; admission stops, first come first served).
+- **One request's failure is its own.** A request whose bundle cannot be served (its copy in
+  the server's store gone or unreadable, :func:`~preft.serving.bundle_store.served_copy_problem`)
+  is failed when it arrives, before it reaches the worker; a request whose adapter the worker
+  could not set up (:data:`~preft.constants.FAILED_REQUESTS_ATTR` on the step's output) is
+  failed with that step's tokens dropped. Either way the client gets vLLM's error answer (HTTP
+  500), the reason goes to the log, and every other request goes on.
 - ``PREFT_TRACE_SCHEDULER=FILE`` appends, per step, how many running requests and distinct
   LoRA adapters there are (used by the tests).
 """
 
 from __future__ import annotations
 
+import logging
+
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
 
 from preft import envs
+from preft.constants import FAILED_REQUESTS_ATTR
 from preft.rule import bundle_rule
+from preft.serving.bundle_store import served_copy_problem
 from preft.serving.patching import require
 from preft.serving.reft import reft_bundle_of, reft_slots
 
+logger = logging.getLogger(__name__)
+
 # the internals this subclass relies on (a vLLM release that moves them fails here, loudly)
-for _name in ("schedule", "_reserve_prefill_lookahead", "update_from_output"):
+for _name in ("schedule", "_reserve_prefill_lookahead", "update_from_output", "add_request", "finish_requests"):
     require(Scheduler, _name)
+require(RequestStatus, "FINISHED_ERROR")
+
+
+def bundle_problem(request) -> str | None:
+    """Why ``request``'s adapter cannot be served now (see :func:`served_copy_problem`), or None."""
+    if request.lora_request is not None:
+        return served_copy_problem("lora", request.lora_request.lora_path)
+    bundle = reft_bundle_of(getattr(request, "sampling_params", None))
+    return served_copy_problem("reft", bundle) if bundle else None
 
 
 def _decoding_without_adapter(request) -> bool:
@@ -46,8 +69,25 @@ class PreftScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.reft_slots = reft_slots(self.lora_config)
         self.step_reft_bundles: set[str] = set()
+        self.refused: dict[str, str] = {}  # request id -> why its adapter cannot be served (arrived so)
+        self.failed_unreported: list = []  # requests failed since the last output was made
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        problem = bundle_problem(request)
+        if problem is not None:
+            self.refused[request.request_id] = problem
+
+    def fail_requests(self, reasons: dict[str, str]) -> None:
+        """Finish these requests with an error (their KV freed; the next output tells their clients)."""
+        for request in self.finish_requests(list(reasons), RequestStatus.FINISHED_ERROR):
+            logger.error("preft: request %s failed: %s", request.request_id, reasons[request.request_id])
+            self.failed_unreported.append(request)
 
     def schedule(self, *args, **kwargs):
+        if self.refused:  # before scheduling: a refused request never reaches the worker
+            self.fail_requests(self.refused)
+            self.refused = {}
         self.step_reft_bundles = set()
         hidden = []
         if self.lora_config:
@@ -66,6 +106,19 @@ class PreftScheduler(Scheduler):
             with open(trace, "a") as handle:
                 handle.write(f"{len(self.running)} {len(adapters)}\n")
         return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        # the worker's failures first: finished requests are skipped below, so their tokens are dropped
+        failed = getattr(model_runner_output, FAILED_REQUESTS_ATTR, None)
+        if failed:
+            self.fail_requests(failed)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request in self.failed_unreported:
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
+                EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                 finish_reason=request.get_finished_reason(), trace_headers=request.trace_headers))
+        self.failed_unreported = []
+        return outputs
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)

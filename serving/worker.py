@@ -10,16 +10,26 @@
 3. CPU only: the punica ops -> :mod:`preft.serving.lora_ops` (vLLM's CPU ops give "no adapter"
    rows the last adapter), unless ``PREFT_STOCK_LORA_OPS=1``. On CUDA vLLM's Triton kernels
    already skip those rows and stay.
-4. The model runners: ``load_model`` also hooks the decoder layers for ReFT-P; ``_prepare_inputs``
-   also sets the step context (:mod:`preft.serving.step_context`: the step's LoRA and ReFT
-   tile plans); ``execute_model`` resets it when the step ends.
+4. The model runners: ``load_model`` also hooks the decoder layers for ReFT-P; ``execute_model``
+   starts a step context (:mod:`preft.serving.step_context`), ``_prepare_inputs`` fills it (the
+   step's LoRA and ReFT tile plans), and the call that makes the step's output
+   (``execute_model`` or ``sample_tokens``) resets it.
+5. One request's failure is that request's alone: a LoRA that vLLM cannot load
+   (``_set_active_loras``), a bundle whose rule or ReFT-P weights cannot be read. Its rows run
+   without the adapter, the step goes on, and the output carries ``{request id: reason}``
+   (:data:`preft.constants.FAILED_REQUESTS_ATTR`), from which
+   :class:`~preft.serving.scheduler.PreftScheduler` fails that request (its tokens dropped).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import numpy as np
 
 from preft import envs
+from preft.constants import FAILED_REQUESTS_ATTR
 from preft.rule import bundle_rule
 from preft.serving import lora_ops, reft
 from preft.serving.lora_mapping import prefill_only_mapping
@@ -27,16 +37,33 @@ from preft.serving.patching import require, wrap
 from preft.serving.step_context import StepContext, get_step_context, reset_step_context, set_step_context
 from preft.serving.tile_plan import build_tile_plan
 
+logger = logging.getLogger(__name__)
+
 #: this worker's ReFT-P bank (one per worker process, made when the model is loaded)
 REFT_BANK: reft.ReftBank | None = None
 
 
+def fail_requests_of_lora(batch, lora_id: int, reason: str) -> None:
+    """Record, in the step context, every request of ``batch`` that uses LoRA ``lora_id`` as failed."""
+    n = batch.num_reqs
+    for index in np.flatnonzero(np.asarray(batch.request_lora_mapping[:n]) == lora_id).tolist():
+        get_step_context().failed_requests[batch.req_ids[index]] = reason
+    logger.error("preft: failing the requests of LoRA %d: %s", lora_id, reason)
+
+
 def make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens: np.ndarray):
-    """Replacement for ``InputBatch.make_lora_inputs`` (same signature and return types)."""
+    """Replacement for ``InputBatch.make_lora_inputs`` (same signature and return types). A LoRA
+    whose rule cannot be read is left out (its requests fail, :func:`fail_requests_of_lora`)."""
     n = self.num_reqs
-    rules = {lora_id: bundle_rule(request.lora_path) for lora_id, request in self.lora_id_to_lora_request.items()}
+    rules, lora_ids = {}, np.array(self.request_lora_mapping[:n], dtype=np.int64)
+    for lora_id, request in self.lora_id_to_lora_request.items():
+        try:
+            rules[lora_id] = bundle_rule(request.lora_path)
+        except Exception as err:  # noqa: BLE001 - the request fails, the step goes on
+            fail_requests_of_lora(self, lora_id, f"LoRA {request.lora_name!r} cannot be read: {err}")
+            lora_ids[lora_ids == lora_id] = 0
     token_ids, sampled_ids = prefill_only_mapping(
-        self.request_lora_mapping[:n], self.num_computed_tokens_cpu[:n], self.num_prompt_tokens[:n],
+        lora_ids, self.num_computed_tokens_cpu[:n], self.num_prompt_tokens[:n],
         np.asarray(num_scheduled_tokens), np.asarray(num_sampled_tokens), rules,
     )
     used = set(np.unique(token_ids).tolist()) | set(np.unique(sampled_ids).tolist())
@@ -56,17 +83,54 @@ def _lora_plan(runner):
     return build_tile_plan(wrappers[0].token_lora_indices)
 
 
+def set_active_loras_guarded(original, runner, prompt_mapping, token_mapping, lora_requests, *args, **kwargs):
+    """``_set_active_loras`` that loads each LoRA on its own first: one that vLLM cannot load
+    (its files gone or broken) is dropped from the step and its requests fail."""
+    failed = set()
+    for lora_request in lora_requests:
+        try:
+            runner.lora_manager.add_adapter(lora_request)  # what vLLM does next anyway; resident: a no-op
+        except Exception as err:  # noqa: BLE001 - the request fails, the step goes on
+            failed.add(lora_request.lora_int_id)
+            fail_requests_of_lora(runner.input_batch, lora_request.lora_int_id,
+                                  f"LoRA {lora_request.lora_name!r} cannot be loaded: {err}")
+    if failed:
+        prompt_mapping = tuple(0 if i in failed else i for i in prompt_mapping)
+        token_mapping = tuple(0 if i in failed else i for i in token_mapping)
+        lora_requests = {r for r in lora_requests if r.lora_int_id not in failed}
+    return original(runner, prompt_mapping, token_mapping, lora_requests, *args, **kwargs)
+
+
 def prepare_step(runner, num_scheduled_tokens: np.ndarray) -> None:
-    """Set the step context for the step ``runner`` has just prepared."""
+    """Fill the step context for the step ``runner`` has just prepared."""
+    context = get_step_context()
     lora_plan = _lora_plan(runner) if _planned_cpu_ops(runner) else None
     reft_plan = None
     if REFT_BANK is not None:
         batch = runner.input_batch
         n = batch.num_reqs
         bundles = [reft.reft_bundle_of(runner.requests[req_id].sampling_params) for req_id in batch.req_ids[:n]]
+        failures: dict[int, str] = {}
         reft_plan = reft.build_reft_plan(REFT_BANK, bundles, batch.num_computed_tokens_cpu[:n],
-                                         batch.num_prompt_tokens[:n], np.asarray(num_scheduled_tokens[:n]))
-    set_step_context(StepContext(lora_plan=lora_plan, reft_plan=reft_plan))
+                                         batch.num_prompt_tokens[:n], np.asarray(num_scheduled_tokens[:n]), failures)
+        for index, reason in failures.items():
+            context.failed_requests[batch.req_ids[index]] = reason
+            logger.error("preft: failing request %s: %s", batch.req_ids[index], reason)
+    set_step_context(StepContext(lora_plan=lora_plan, reft_plan=reft_plan, failed_requests=context.failed_requests))
+
+
+def finish_step(output):
+    """Attach the step's failed requests to its output (when it is the step's ``ModelRunnerOutput``)
+    and reset the step context."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    failed = get_step_context().failed_requests
+    reset_step_context()
+    if failed and isinstance(output, ModelRunnerOutput):
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:  # a shared constant: never write into it
+            output = copy.copy(output)
+        setattr(output, FAILED_REQUESTS_ATTR, dict(failed))
+    return output
 
 
 def install_reft(runner) -> None:
@@ -84,9 +148,11 @@ def install_reft(runner) -> None:
 
 def patch() -> None:
     from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
     require(InputBatch, "make_lora_inputs")
     InputBatch.make_lora_inputs = make_lora_inputs
@@ -124,10 +190,26 @@ def patch() -> None:
         prepare_step(self, num_scheduled_tokens)
         return result
 
+    require(LRUCacheWorkerLoRAManager, "add_adapter")
+    wrap(LoRAModelRunnerMixin, "_set_active_loras")(set_active_loras_guarded)
+
     @wrap(GPUModelRunner, "execute_model")
     def execute_model(original, self, *args, **kwargs):
+        set_step_context(StepContext())
         try:
-            return original(self, *args, **kwargs)
-        finally:
+            output = original(self, *args, **kwargs)
+        except BaseException:
             reset_step_context()
+            raise
+        # None: the forward ran and sample_tokens makes the output (it then ends the step)
+        return output if output is None else finish_step(output)
+
+    @wrap(GPUModelRunner, "sample_tokens")
+    def sample_tokens(original, self, *args, **kwargs):
+        try:
+            output = original(self, *args, **kwargs)
+        except BaseException:
+            reset_step_context()
+            raise
+        return finish_step(output)
 

@@ -93,3 +93,28 @@ ADAPTER_CONFIGS = {
 @pytest.fixture(params=sorted(ADAPTER_CONFIGS))
 def adapter_kind(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def saved_adapter(tmp_path, base_path):
+    """Save a fresh PEFT adapter of ``config`` on the default base (seed 0) under tmp_path."""
+
+    def save(config, name="adapter"):
+        torch.manual_seed(0)
+        model = get_peft_model(load_base(base_path), config)
+        model.save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    return save
+
+
+# the session's live `preft serve` (tests/serving/test_server.py, tests/reliability/test_hostile_server.py)
+from live_server import adapters, group_server_tests, reference, server, stop_after_last_user  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(session, config, items):
+    group_server_tests(items)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    stop_after_last_user(item, nextitem)
