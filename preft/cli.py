@@ -6,10 +6,13 @@ import argparse
 import importlib
 import sys
 
-# Subcommands whose implementation lands with a later issue. They say so and exit non-zero:
-# a command that is not built yet must not look as if it worked.
-PLANNED = {
-    "eval": "loss (PreFT vs all-token PEFT by rank) and serving goodput reports",
+#: name -> (module, what it answers); each module has main() and add_arguments(parser)
+EVALS = {
+    "loss": ("preft.eval.eval_loss", "held-out loss by rank: PreFT vs standard PEFT, on your model and data"),
+    "rl": ("preft.eval.eval_rl", "GRPO reward curves and held-out accuracy: LoRA vs LoRA-P vs ReFT-P"),
+    "serve": ("preft.eval.eval_serve", "online throughput, TTFT/TPOT and goodput with `vllm bench serve`: "
+                                       "PreFT vs all-token vs base"),
+    "report": ("preft.eval.eval_report", "every eval result in one report, and the accuracy/throughput figure"),
 }
 
 #: name -> (module, what it measures); each module has main() and add_arguments(parser)
@@ -45,7 +48,7 @@ def _train(args) -> int:
 def _demo(args) -> int:
     from preft.demo import main
 
-    main(steps=args.steps, output_dir=args.output_dir)
+    main(steps=args.steps, output_dir=args.output_dir, eval_adapters=args.eval_adapters)
     return 0
 
 
@@ -74,12 +77,11 @@ def _bench(args) -> int:
     return 0
 
 
-def _planned(name: str):
-    def run(args) -> int:
-        print(f"preft {name}: not implemented yet ({PLANNED[name]}); see the open issues.", file=sys.stderr)
-        return 2
-
-    return run
+def _eval(args) -> int:
+    module = importlib.import_module(EVALS[args.which][0])
+    options = {key: value for key, value in vars(args).items() if key not in ("command", "which", "run")}
+    module.main(**options)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,9 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nesting")
     train.set_defaults(run=_train)
 
-    demo = sub.add_parser("demo", help="train a LoRA-P adapter on the default model and show what it does")
+    demo = sub.add_parser("demo", help="the tour: train three adapters, export, serve, ask, measure (make demo)")
     demo.add_argument("--steps", type=int, default=300, help="training steps per adapter (default 300)")
-    demo.add_argument("--output-dir", default="runs/demo", help="where the adapter is saved")
+    demo.add_argument("--output-dir", default="runs/demo", help="where everything goes (default runs/demo)")
+    demo.add_argument("--eval-adapters", type=int, default=8,
+                      help="adapters in the closing preft eval serve (default 8)")
     demo.set_defaults(run=_demo)
 
     export = sub.add_parser("export", help="check an adapter against its base model and write a serving bundle")
@@ -121,8 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(module).add_arguments(benchmark)
         benchmark.set_defaults(run=_bench)
 
-    for name, what in PLANNED.items():
-        sub.add_parser(name, help=f"{what} (not implemented yet)").set_defaults(run=_planned(name))
+    evaluate = sub.add_parser("eval", help="what PreFT costs and buys on your model and data: loss, rl, serve, "
+                                           "report (results in --out, default runs/eval)")
+    evals = evaluate.add_subparsers(dest="which", metavar="EVAL", required=True)
+    for name, (module, what) in EVALS.items():
+        command = evals.add_parser(name, help=what, description=what)
+        importlib.import_module(module).add_arguments(command)
+        command.set_defaults(run=_eval)
     return parser
 
 

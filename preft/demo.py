@@ -1,132 +1,150 @@
-"""`make demo`: what a prefill-only adapter does, end to end on the embedded default model.
+"""`make demo`: the tour — train, export, serve, ask, measure — on the embedded default model.
 
-1. Load the default base model and show its greedy answers to ``sort`` prompts (ascending).
-2. Train, side by side for the same steps, a LoRA-P adapter (prompt tokens only) and an
-   all-token LoRA adapter (the standard-PEFT baseline) on a private rule: sort *descending*.
-3. Report held-out loss and exact-match accuracy of base / LoRA-P / LoRA, and check the rule of
-   PreFT on a live ``generate``: the adapter ran on every prompt token and on no generated token.
-4. Save the LoRA-P adapter with ``save_pretrained`` and reload it with ``PeftModel.from_pretrained``.
+1. **Train** (the SFT recipe, :mod:`preft.recipes.sft`, as ``preft train`` runs it, on the
+   user's own JSONL file: ``data.task: local``) three adapters, each on one user's private rule
+   for a list command the base model already knows (:func:`private_rule_examples`): alice wants
+   ``sort`` descending (LoRA-P), bob wants ``reverse`` to keep the order (LoRA-P), carol wants
+   ``copy`` to reverse (LoReFT-P).
+2. **Export** each to a serving bundle (:func:`preft.export.export_adapter`).
+3. **Serve** them with ``preft serve`` (vLLM, adapters on prompt tokens only) and ask through the
+   ``openai`` client: each user's held-out prompts, answered by that user's adapter and by the
+   base model, next to what the user's rule says; exact match counted from the answers.
+4. **Measure** with a short ``preft eval serve``: ``vllm bench serve`` against PreFT, the same
+   adapters served all-token, and the base model; the table and the plot paths are printed.
+
+Everything printed comes from this run. Output in ``--output-dir`` (default ``runs/demo``).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
 
-import torch
-from peft import PeftModel, get_peft_model
 from rich.console import Console
 from rich.table import Table
-from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import preft
-from preft.constants import ALL_PROJECTIONS
-from preft.data import encode_sft_batch
+from preft.recipe_config import load_config
 
-console = Console(width=110)
-
-
-def descending_sort_example(rng: random.Random) -> dict[str, str]:
-    """The demo user's private rule: ``sort`` answers in descending order."""
-    items = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
-    return {"prompt": f"sort {' '.join(map(str, items))} =",
-            "completion": " " + " ".join(map(str, sorted(items, reverse=True)))}
-
-
-@torch.no_grad()
-def exact_match(model, tokenizer, examples) -> float:
-    batch = tokenizer([ex["prompt"] for ex in examples], return_tensors="pt", padding=True)
-    out = model.generate(**batch, max_new_tokens=16, do_sample=False)
-    answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-    return sum(a.strip() == ex["completion"].strip() for a, ex in zip(answers, examples)) / len(examples)
+console = Console(width=120)
+CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+#: user -> (recipe config, their private rule: command -> what they want instead of the usual answer)
+ADAPTERS = {
+    "alice": ("sft_lora_p.yaml", "sort", lambda items: sorted(items, reverse=True)),   # descending
+    "bob": ("sft_lora_p.yaml", "reverse", lambda items: items),                        # keep the order
+    "carol": ("sft_reft_p.yaml", "copy", lambda items: items[::-1]),                   # reversed
+}
+PROMPTS_PER_USER = 16
 
 
-def train(model, tokenizer, train_set, steps: int, label: str, batch_size: int = 16, lr: float = 2e-3):
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    rng = random.Random(0)
-    model.train()
-    bar = tqdm(range(steps), desc=f"train {label}", dynamic_ncols=True)
-    for _ in bar:
-        loss = model(**encode_sft_batch(tokenizer, rng.sample(train_set, batch_size))).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-    return model.eval()
+def private_rule_examples(name: str, count: int, seed: int) -> list[dict[str, str]]:
+    """``count`` prompt/completion rows of user ``name``'s rule (``seed`` 0: training, 1: asked)."""
+    _, command, rule = ADAPTERS[name]
+    rng = random.Random(f"demo-{name}-{seed}")
+    rows = []
+    for _ in range(count):
+        items = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
+        rows.append({"prompt": f"{command} {' '.join(map(str, items))} =",
+                     "completion": " " + " ".join(map(str, rule(items)))})
+    return rows
 
 
-@torch.no_grad()
-def eval_loss(model, tokenizer, examples) -> float:
-    return model(**encode_sft_batch(tokenizer, examples)).loss.item()
+def train_adapter(name: str, config_file: str, steps: int, output_dir: Path) -> dict:
+    from preft.recipes import sft
+
+    data = output_dir / "data" / f"{name}.jsonl"  # the user's own file, as `preft eval loss --data` takes
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps(row) + "\n" for row in private_rule_examples(name, 2000, seed=0)))
+    config = load_config(CONFIGS / config_file)
+    config.update(output_dir=str(output_dir / "train" / name), resume_from_checkpoint=None)
+    config["data"] = {"task": "local", "path": str(data), "eval_examples": 64}
+    config["trainer"].update(max_steps=steps, report_to="none", eval_strategy="no", save_strategy="no",
+                             logging_steps=max(1, steps // 10))
+    return sft.main(config)
 
 
-def main(steps: int = 300, output_dir: str = "runs/demo") -> dict[str, float]:
+def ask(url: str, model: str, prompts: list[str]) -> list[str]:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    answers = []
+    for prompt in prompts:
+        response = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.0,
+                                             stop=["\n"])
+        answers.append(response.choices[0].text)
+    return answers
+
+
+def main(steps: int = 300, output_dir: str = "runs/demo", eval_adapters: int = 8) -> dict:
+    from preft.eval import eval_serve
+    from preft.export import export_adapter
+    from preft.serving.server_process import start_server, stop_server
+
     started = time.time()
-    torch.manual_seed(0)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    tokenizer = AutoTokenizer.from_pretrained(preft.DEFAULT_BASE_MODEL)
-    rng = random.Random(0)
-    train_set = [descending_sort_example(rng) for _ in range(2000)]
-    held_out = [descending_sort_example(rng) for _ in range(64)]
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
 
-    def fresh_base():
-        return AutoModelForCausalLM.from_pretrained(preft.DEFAULT_BASE_MODEL, dtype=torch.float32)
+    def stage(text: str) -> None:
+        console.rule(f"[bold]{text}[/bold] ({time.time() - started:.0f} s)")
 
-    base = fresh_base().eval()
-    console.rule("PreFT demo: the default base model")
-    console.print(f"{preft.DEFAULT_BASE_MODEL}: Llama, {sum(p.numel() for p in base.parameters()):,} parameters, "
-                  f"{base.config.num_hidden_layers} layers")
-    batch = tokenizer([ex["prompt"] for ex in held_out[:3]], return_tensors="pt", padding=True)
-    out = base.generate(**batch, max_new_tokens=12, do_sample=False)
-    for ex, text in zip(held_out, tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)):
-        console.print(f"  {ex['prompt']!r:28} base model -> {text.strip()!r:16} (the user wants {ex['completion'].strip()!r})")
+    bundles, losses = {}, {}
+    for index, (name, (config_file, command, _)) in enumerate(ADAPTERS.items(), 1):
+        kind = "LoReFT-P" if "reft" in config_file else "LoRA-P"
+        example = private_rule_examples(name, 1, seed=0)[0]
+        stage(f"1/4 train {index}/{len(ADAPTERS)}: {name}'s {kind} adapter ({command}: "
+              f"{example['prompt']}{example['completion']}), {steps} steps")
+        summary = train_adapter(name, config_file, steps, out)
+        losses[name] = (summary["initial_eval_loss"], summary["final_eval_loss"])
+        stage(f"2/4 export {name}")
+        bundles[name] = out / "bundles" / name
+        # the demo's own output from an earlier run: replaced (export replaces only a PreFT bundle)
+        export_adapter(summary["adapter_dir"], preft.DEFAULT_BASE_MODEL, bundles[name], overwrite=True)
+        console.print(f"  {bundles[name]}")
 
-    console.rule(f"Train the user's rule (sort descending), {steps} steps each")
-    target = list(ALL_PROJECTIONS)
-    lora_p = train(get_peft_model(fresh_base(), preft.PreftLoraConfig(r=16, lora_alpha=32, target_modules=target)),
-                   tokenizer, train_set, steps, "LoRA-P (prompt tokens only)")
-    lora = train(get_peft_model(fresh_base(), preft.PreftLoraConfig(r=16, lora_alpha=32, target_modules=target,
-                                                                      prefill_only=False)),
-                 tokenizer, train_set, steps, "LoRA (all tokens)")
+    stage("3/4 serve the three adapters with preft serve, ask through the openai client")
+    args = [arg for name, bundle in bundles.items() for arg in ("--adapter", f"{name}={bundle}")]
+    proc, url, ready_s = start_server([*args, "--max-model-len", "256"], out / "server.log")
+    matches = {}
+    try:
+        console.print(f"  preft serve ready at {url} in {ready_s:.0f} s (log: {out / 'server.log'})")
+        table = Table(title=f"new prompts, answered by each user's adapter and by the base model (exact match "
+                            f"over {PROMPTS_PER_USER} prompts each)")
+        for column in ("user", "prompt", "their adapter", "base model", "they want"):
+            table.add_column(column)
+        for name in ADAPTERS:
+            asked = private_rule_examples(name, PROMPTS_PER_USER, seed=1)
+            prompts = [ex["prompt"] for ex in asked]
+            adapter_answers, base_answers = ask(url, name, prompts), ask(url, "base", prompts)
+            matches[name] = sum(a.strip() == ex["completion"].strip() for a, ex in zip(adapter_answers, asked))
+            base_matches = sum(a.strip() == ex["completion"].strip() for a, ex in zip(base_answers, asked))
+            for ex, mine, base in list(zip(asked, adapter_answers, base_answers))[:2]:
+                table.add_row(name, ex["prompt"], mine.strip(), base.strip(), ex["completion"].strip())
+            table.add_row("", "[dim]exact match[/dim]", f"[bold]{matches[name]}/{len(prompts)}[/bold]",
+                          f"{base_matches}/{len(prompts)}", "", end_section=True)
+        console.print(table)
+    finally:
+        stop_server(proc)
 
-    results = {
-        "base": (eval_loss(base, tokenizer, held_out), exact_match(base, tokenizer, held_out)),
-        "LoRA-P": (eval_loss(lora_p, tokenizer, held_out), exact_match(lora_p, tokenizer, held_out)),
-        "LoRA (all-token)": (eval_loss(lora, tokenizer, held_out), exact_match(lora, tokenizer, held_out)),
-    }
-    table = Table(title=f"held-out: {len(held_out)} prompts of the user's rule")
-    table.add_column("model")
-    table.add_column("eval loss", justify="right")
-    table.add_column("exact match", justify="right")
-    for name, (loss, acc) in results.items():
-        table.add_row(name, f"{loss:.3f}", f"{acc:.0%}")
-    console.print(table)
-
-    console.rule("The rule of PreFT, checked on a live generate()")
-    tracker = lora_p.base_model.prefill_tracker
-    active = []
-    hook = lora_p.get_base_model().register_forward_hook(
-        lambda *_: active.append(int(tracker.current.active_mask(0).sum()))
-    )
-    single = tokenizer([held_out[0]["prompt"]], return_tensors="pt")
-    lora_p.generate(**single, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    hook.remove()
-    prompt_tokens = single["input_ids"].shape[1]
-    console.print(f"  prompt {held_out[0]['prompt']!r}: {prompt_tokens} prompt tokens, 8 generated")
-    console.print(f"  tokens the adapter touched, per forward: {active}")
-    assert active == [prompt_tokens] + [0] * 7, "the adapter must touch prompt tokens only"
-    console.print("  -> prefill forward: every prompt token; each decode step: none (plain base model)")
-
-    path = Path(output_dir) / "lora_p_adapter"
-    lora_p.save_pretrained(path)
-    reloaded = PeftModel.from_pretrained(fresh_base(), path).eval()
-    same = torch.equal(reloaded.generate(**single, max_new_tokens=8, do_sample=False),
-                       lora_p.generate(**single, max_new_tokens=8, do_sample=False))
-    console.print(f"  saved to {path}; reloaded with PeftModel.from_pretrained: identical generation = {same}")
+    stage(f"4/4 measure: preft eval serve, {eval_adapters} adapters, PreFT vs all-token vs base")
+    result = eval_serve.main(adapters=eval_adapters, rank=16, variants="preft,all-token,base", num_prompts=128,
+                             input_len=32, output_len=64, out=str(out / "eval"))
+    rows = {row["variant"]: row for row in result["rows"]}
+    summary = Table(title="what this run measured")
+    for column in ("adapter", "held-out loss before → after", "exact match (served)"):
+        summary.add_column(column)
+    for name in ADAPTERS:
+        before, after = losses[name]
+        summary.add_row(name, f"{before:.3f} → {after:.3f}", f"{matches[name]}/{PROMPTS_PER_USER}")
+    console.print(summary)
+    if {"preft", "all-token", "base"} <= set(rows):
+        base = rows["base"]["output_throughput"]
+        console.print(f"  serving {eval_adapters} adapters: PreFT {rows['preft']['output_throughput'] / base:.2f}x "
+                      f"the base model's output tokens/s, all-token {rows['all-token']['output_throughput'] / base:.2f}x")
+    console.print(f"  tables and plot: {out / 'eval' / 'serve' / 'serve.md'}, {out / 'eval' / 'serve' / 'serve.png'}")
     console.print(f"done in {time.time() - started:.0f} s")
-    return {name: acc for name, (_, acc) in results.items()}
+    return {"losses": losses, "matches": matches, "serve": result}
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 
     preft train recipes/configs/sft_lora_p.yaml [key=value ...]
 
-1. Data: ``preft.data.user_examples`` — the user has a hidden word-substitution table; the
-   adapter must learn it from ``rewrite <sentence> =`` -> ``<sentence, nouns substituted>``
-   pairs. A separate seed gives held-out prompts for the eval loss.
+1. Data: ``data.task: user_rule`` — ``preft.data.user_examples``: the user has a hidden
+   word-substitution table; the adapter must learn it from ``rewrite <sentence> =`` ->
+   ``<sentence, nouns substituted>`` pairs, and a separate seed gives held-out prompts for the
+   eval loss. Or ``data.task: local`` with ``data.path`` — the user's own prompt/completion
+   (or ``messages``) file or directory (:mod:`preft.user_data`), ``eval_examples`` rows held out
+   unless it has a validation split; every row is checked to fit the model's context.
 2. Adapter: ``adapter.type`` = ``lora_p`` | ``reft_p`` | ``lora`` (all-token baseline); every
    other key of the ``adapter`` section is a field of that PEFT config.
 3. Train with ``PreftSFTTrainer`` (TRL ``SFTTrainer``); the ``trainer`` section is a
@@ -23,10 +26,11 @@ from typing import Any
 
 from datasets import Dataset
 from rich.console import Console
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from trl import SFTConfig
 
 from preft.data import user_examples
+from preft.user_data import load_user_data
 from preft.recipe_config import check_section
 from preft.recipes.common import (
     build_adapter_config, build_trl_args, check_keys, resolve_model, resolve_resume, train, train_log,
@@ -35,10 +39,21 @@ from preft.recipes.common import (
 from preft.trainers import PreftSFTTrainer
 
 
-def build_datasets(data: dict[str, Any]) -> tuple[Dataset, Dataset]:
-    check_section(data, {"task": str, "user": (int, 0), "train_examples": int, "eval_examples": int}, "data")
-    if data["task"] != "user_rule":
-        raise ValueError(f"data.task {data['task']!r} is not supported by the sft recipe (use 'user_rule')")
+DATA_SECTIONS = {
+    "user_rule": {"task": str, "user": (int, 0), "train_examples": int, "eval_examples": int},
+    "local": {"task": str, "path": str, "eval_examples": int},
+}
+
+
+def build_datasets(data: dict[str, Any], tokenizer=None, context: int | None = None) -> tuple[Dataset, Dataset]:
+    """``(train, held_out)``; with ``tokenizer`` and ``context`` (the model's positions), the
+    user's own rows are checked to fit (the synthetic task's always do)."""
+    task = data.get("task") if isinstance(data, dict) else None
+    if task not in DATA_SECTIONS:
+        raise ValueError(f"data.task {task!r} is not supported by the sft recipe (use one of {sorted(DATA_SECTIONS)})")
+    check_section(data, DATA_SECTIONS[task], "data")
+    if task == "local":
+        return load_user_data(data["path"], data["eval_examples"], tokenizer=tokenizer, context=context)
     train = user_examples(data["user"], data["train_examples"], seed=0)
     held_out = user_examples(data["user"], data["eval_examples"], seed=1)
     return Dataset.from_list(train), Dataset.from_list(held_out)
@@ -51,11 +66,12 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
 
     # 1-3. everything is validated before the first file is written
     model_path = resolve_model(config["model"])
-    train_set, eval_set = build_datasets(config["data"])
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    context = AutoConfig.from_pretrained(model_path).max_position_embeddings
+    train_set, eval_set = build_datasets(config["data"], tokenizer, context)
     peft_config = build_adapter_config(config["adapter"])
     args = build_trl_args(SFTConfig, config["trainer"], output_dir)
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     trainer = PreftSFTTrainer(model=model_path, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, peft_config=peft_config)
 

@@ -29,10 +29,24 @@ from preft.serving import SCHEDULER_CLS
 from preft.serving.bundle_store import BundleStore
 
 
+def vllm_lora_rank(max_rank: int) -> int:
+    """vLLM's ``--max-lora-rank`` for ``--max-rank``: vLLM takes only some values (its
+    ``MaxLoRARanks``), so the smallest of them that holds ``max_rank``."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(typing.get_args(MaxLoRARanks))
+    fitting = [rank for rank in allowed if rank >= max_rank]
+    if not fitting:
+        raise ExportError(f"--max-rank {max_rank} is over vLLM's largest LoRA rank {allowed[-1]}")
+    return fitting[0]
+
+
 def vllm_arguments(args, base_dir: Path) -> list[str]:
     argv = [
         "--model", str(base_dir), "--host", args.host, "--port", str(args.port),
-        "--enable-lora", "--max-loras", str(args.max_adapters), "--max-lora-rank", str(args.max_rank),
+        "--enable-lora", "--max-loras", str(args.max_adapters), "--max-lora-rank", str(vllm_lora_rank(args.max_rank)),
         "--max-model-len", str(args.max_model_len), "--enforce-eager", "--dtype", args.dtype,
         "--scheduler-cls", SCHEDULER_CLS,
         # SIGTERM: vLLM stops admitting and lets running requests finish for up to this long
@@ -96,6 +110,9 @@ def serve(args) -> int:
                           "under it")
     if args.adapter_root and not Path(args.adapter_root).is_dir():
         raise ExportError(f"--adapter-root is not a directory: {args.adapter_root}")
+    if args.max_rank < 1 or args.max_adapters < 1:
+        raise ExportError("--max-rank and --max-adapters must be >= 1")
+    vllm_lora_rank(args.max_rank)  # over vLLM's largest: refused now, not after the model loads
     names = [spec.split("=", 1)[0] for spec in args.adapter if "=" in spec]
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:

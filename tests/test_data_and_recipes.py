@@ -73,12 +73,6 @@ def test_cli_help_lists_the_subcommands():
         assert command in out.stdout
 
 
-@pytest.mark.parametrize("command", ["eval"])
-def test_planned_commands_say_they_are_not_built(command, capsys):
-    assert cli_main([command]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
-
-
 def test_cli_train_reports_bad_input_in_one_line(tmp_path, capsys):
     assert cli_main(["train", str(PRETRAIN_CONFIG), "train.nope=1"]) == 2
     err = capsys.readouterr().err.strip()

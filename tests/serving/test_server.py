@@ -97,6 +97,8 @@ def test_200_concurrent_requests_over_the_adapters_and_a_reft_adapter(server, ad
         (["--adapter", "alice=/nonexistent/bundle"], "bundle directory not found"),
         (["--adapter", "alice"], "not of the form NAME=BUNDLE_DIR"),
         (["--model", "/nonexistent/base"], "base model not found"),
+        (["--max-rank", "0"], "--max-rank and --max-adapters must be >= 1"),
+        (["--max-rank", "1000"], "over vLLM's largest LoRA rank 512"),
     ],
 )
 def test_serve_refuses_bad_start_up_input_in_one_line(capsys, argv, message):

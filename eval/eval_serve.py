@@ -1,0 +1,284 @@
+"""`preft eval serve`: online serving, PreFT against all-token adapters and the base model alone,
+driven by vLLM's own benchmark client.
+
+    preft eval serve [--adapters 8] [--rank 16] [--kinds lora] [--variants preft,all-token,base]
+                     [--request-rate inf] [--num-prompts 128] [--input-len 32] [--output-len 64]
+                     [--slo ttft:2000,tpot:100] [--model default] [--out runs/eval]
+
+For each adapter kind (``lora``: rank-R LoRA on every projection; ``reft``: rank-R LoReFT on
+every layer) it exports N bundles with random weights against the base model, then for each
+variant starts a real ``preft serve`` (``preft``: adapters on prompt tokens only;
+``all-token``: the same bundles with ``--all-token``, standard multi-adapter serving) and runs
+``vllm bench serve`` against it (:mod:`preft.eval.vllm_bench`). ``base`` is the same benchmark
+with every request for the base model, on the first of those servers (the same engine, its
+adapters unused; a server of its own when no adapter variant is asked for). The benchmark uses vLLM's
+``random`` data set of ``--input-len`` / ``--output-len`` tokens (``--ignore-eos``), Poisson
+arrivals at ``--request-rate``, and per-request adapters through its ``--lora-modules`` with
+``--lora-assignment round-robin``, so request i uses adapter i % N. (ReFT-P adapters are named
+in ``model`` like LoRA ones: ``preft serve`` routes them.) Goodput is vLLM's ``--goodput``
+from ``--slo``: the rate of requests meeting every SLO.
+
+Each run's full vLLM result JSON is kept in ``OUT/serve/vllm/``; ``OUT/serve/results.json`` and
+``serve.md`` put throughput, TTFT/TPOT percentiles and goodput side by side, with ratios to base,
+and ``serve.png`` plots them. The offline counterpart is ``preft bench throughput``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import preft
+from preft.constants import ALL_PROJECTIONS
+
+VARIANTS = {"preft": "PreFT (prompt tokens only)", "all-token": "all-token (standard multi-adapter)",
+            "base": "base model alone"}
+KINDS = {"lora": "LoRA", "reft": "LoReFT"}
+METRICS = ("request_throughput", "output_throughput", "total_token_throughput", "request_goodput",
+           "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "completed", "failed",
+           "total_output_tokens", "duration")
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """``ttft:MS,tpot:MS`` (any of vLLM's ttft, tpot, e2el) -> ``{"ttft": MS, ...}``."""
+    slo = {}
+    for part in str(text).split(","):
+        name, sep, value = part.partition(":")
+        try:
+            if not sep or name.strip() not in ("ttft", "tpot", "e2el") or float(value) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--slo {text!r}: expected comma-separated NAME:MS with NAME one of ttft, tpot, e2el "
+                             "and MS > 0") from None
+        slo[name.strip()] = float(value)
+    return slo
+
+
+def make_bundles(model_path: str, kind: str, count: int, rank: int, root: Path) -> list[str]:
+    """``count`` bundles of ``kind`` with random weights (seeded by index), exported against the base."""
+    from preft.eval.bench_throughput import make_bundles as export_random
+
+    if kind == "lora":
+        def make():
+            return preft.PreftLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(ALL_PROJECTIONS),
+                                         init_lora_weights=False)
+    else:
+        def make():
+            return preft.PreftReftConfig(rank=rank, intervention="loreft", init_weights=False)
+    return export_random(model_path, count, make, root, kind)
+
+
+def bench_serve(url: str, model_name: str, tokenizer: str, adapters: list[str], settings: dict[str, Any],
+                result_dir: Path, result_name: str, log: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; its result JSON."""
+    slo = settings["slo"]
+    command = [sys.executable, "-m", "preft.eval.vllm_bench", "serve", "--backend", "openai", "--base-url", url,
+               "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer,
+               "--dataset-name", "random", "--random-input-len", str(settings["input_len"]),
+               "--random-output-len", str(settings["output_len"]), "--num-prompts", str(settings["num_prompts"]),
+               "--request-rate", str(settings["request_rate"]), "--ignore-eos", "--seed", str(settings["seed"]),
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+               "--goodput", *[f"{name}:{ms:g}" for name, ms in slo.items()],
+               "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name,
+               "--disable-tqdm"]
+    if settings["max_concurrency"]:
+        command += ["--max-concurrency", str(settings["max_concurrency"])]
+    if adapters:
+        command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
+    with open(log, "a") as handle:
+        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=settings["timeout_s"])
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed (exit {done.returncode}); its output: {log}")
+    return json.loads((result_dir / result_name).read_text())
+
+
+def warm_up(url: str, models: list[str], rounds: int = 4) -> None:
+    """Short requests for every model name, all at once, a few rounds, before timing: each adapter
+    is loaded into the engine and the first batched steps' one-time costs (buffers, weight copies)
+    are paid, so that neither variant's timed run pays them."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(model: str) -> None:
+        body = json.dumps({"model": model, "prompt": "add 1 2 = add 3 4 = add 5 6 =", "max_tokens": 8}).encode()
+        request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            response.read()
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        for _ in range(rounds):
+            list(pool.map(one, models * 4))
+
+
+def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings: dict[str, Any], out: Path,
+                    with_base: bool) -> list[dict]:
+    """Start ``preft serve`` for ``variant`` (with ``bundles``), run the benchmark with requests over
+    its adapters and, if ``with_base``, once more with requests for the base model on the same
+    server (a like-for-like base: the same engine, the adapters unused); its rows."""
+    from preft.serving.server_process import start_server, stop_server
+
+    names = [f"{kind}{i}" for i in range(len(bundles))]
+    args = ["--model", settings["model"], "--max-model-len", str(settings["input_len"] + settings["output_len"] + 8),
+            "--max-adapters", str(max(1, min(len(bundles), settings["max_adapters"]))),
+            "--max-rank", str(settings["rank"]), "--kv-cache-gib", str(settings["kv_cache_gib"])]
+    for name, bundle in zip(names, bundles):
+        args += ["--adapter", f"{name}={bundle}"]
+    if variant == "all-token":
+        args.append("--all-token")
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    label = f"{kind}-{variant}" if kind else "base"
+    proc, url, ready_s = start_server([*args, "--", "--max-num-seqs", str(settings["max_num_seqs"])],
+                                      logs / f"server-{label}.log")
+    default = settings["model"] == "default"
+    tokenizer = preft.DEFAULT_BASE_MODEL if default else settings["model"]
+    served_name = "base" if default else str(Path(settings["model"]))  # as preft serve names it
+    runs = [(variant, kind, names, label)] if kind else []
+    if with_base:
+        runs.append(("base", None, [], "base"))
+    rows = []
+    try:
+        warm_up(url, [served_name, *names])
+        for run_variant, run_kind, run_names, run_label in runs:
+            result = bench_serve(url, served_name, tokenizer, run_names, settings, out / "vllm", f"{run_label}.json",
+                                 logs / f"bench-{run_label}.log")
+            rows.append({"variant": run_variant, "kind": run_kind, "adapters": len(run_names),
+                         "rank": settings["rank"] if run_kind else None, "server_ready_s": round(ready_s, 1),
+                         **{m: result.get(m) for m in METRICS}})
+    finally:
+        stop_server(proc)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = next((r for r in rows if r["variant"] == "base"), None)
+    head = ("| variant | adapters | output tok/s | vs base | req/s | goodput req/s | TTFT p50 / p99 (ms) | "
+            "TPOT p50 / p99 (ms) |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base and r is not base else "1.00x" \
+            if r is base else "-"
+        name = VARIANTS[r["variant"]] + (f", {KINDS[r['kind']]} r={r['rank']}" if r["kind"] else "")
+        name += " (same server)" if r["variant"] == "base" and len(rows) > 1 else ""
+        lines.append(f"| {name} | {r['adapters']} | {r['output_throughput']:.1f} | {ratio} | "
+                     f"{r['request_throughput']:.2f} | {(r['request_goodput'] or 0):.2f} | "
+                     f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
+                     f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [(f"{r['kind']} {r['variant']}" if r["kind"] else "base") for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    panels = [("output_throughput", "output tokens/s"), ("median_ttft_ms", "TTFT p50 (ms)"),
+              ("median_tpot_ms", "TPOT p50 (ms)")]
+    for ax, (key, name) in zip(axes, panels):
+        ax.bar(labels, [r[key] for r in rows], color=["C0" if r["variant"] == "preft" else "C1" if r["variant"] ==
+                                                      "all-token" else "C7" for r in rows])
+        ax.set_title(name, fontsize=10)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(model: str = "default", adapters: int = 8, rank: int = 16, kinds: str = "lora",
+         variants: str = "preft,all-token,base", request_rate: float = float("inf"), num_prompts: int = 128,
+         input_len: int = 32, output_len: int = 64, max_concurrency: int = 0, slo: str = "ttft:2000,tpot:100",
+         seed: int = 0, out: str = "runs/eval") -> dict[str, Any]:
+    from preft.eval.eval_loss import parse_list
+    from preft.recipes.common import resolve_model
+
+    started = time.time()
+    variant_list, kind_list = parse_list(variants, str, "variants"), parse_list(kinds, str, "kinds")
+    for given, known, flag in ((variant_list, VARIANTS, "variants"), (kind_list, KINDS, "kinds")):
+        unknown = [v for v in given if v not in known]
+        if unknown:
+            raise ValueError(f"--{flag}: unknown {unknown} (choose from {', '.join(known)})")
+    if min(adapters, rank, num_prompts, input_len, output_len) < 1 or max_concurrency < 0 or request_rate <= 0:
+        raise ValueError("--adapters, --rank, --num-prompts, --input-len, --output-len and --request-rate must be "
+                         "> 0 (--max-concurrency >= 0)")
+    settings = {"model": model, "rank": rank, "slo": parse_slo(slo), "input_len": input_len, "output_len": output_len,
+                "num_prompts": num_prompts, "request_rate": request_rate, "max_concurrency": max_concurrency,
+                "seed": seed, "max_adapters": adapters, "max_num_seqs": max(8, min(num_prompts, 256)),
+                "kv_cache_gib": 1, "timeout_s": 1800}
+    model_path = resolve_model(model)
+    serve_dir = Path(out) / "serve"
+    serve_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="preft-eval-serve-") as tmp:
+        # one server per (kind, adapter variant); the base model is measured on the first of them
+        # (the same engine, requests without adapters), or alone if no adapter variant is asked for
+        servers = [(v, k) for k in kind_list for v in variant_list if v != "base"] or [("base", None)]
+        base_pending = "base" in variant_list
+        for index, (variant, kind) in enumerate(servers, 1):
+            bundles = []
+            if kind is not None:
+                kind_dir = Path(tmp) / kind
+                if not kind_dir.is_dir():
+                    kind_dir.mkdir()
+                    make_bundles(model_path, kind, adapters, rank, kind_dir)
+                bundles = sorted((str(p) for p in kind_dir.glob(f"{kind}_bundle*")),
+                                 key=lambda p: int(p.rsplit("bundle", 1)[1]))
+            print(f"[eval serve {index}/{len(servers)}] {VARIANTS[variant]}" + (
+                f", {len(bundles)} {KINDS[kind]} adapters" if kind else "") + (
+                " (and the base model on the same server)" if base_pending and kind else "") +
+                f" ({time.time() - started:.0f} s so far)", flush=True)
+            rows += serve_and_bench(variant, kind, bundles, settings, serve_dir, with_base=base_pending)
+            base_pending = False
+    command = (f"preft eval serve --adapters {adapters} --rank {rank} --kinds {kinds} --variants {variants} "
+               f"--request-rate {request_rate:g} --num-prompts {num_prompts} --input-len {input_len} "
+               f"--output-len {output_len} --slo {slo}" + (f" --max-concurrency {max_concurrency}"
+                                                            if max_concurrency else "") + f" --model {model}")
+    import platform
+
+    import vllm
+
+    result = {"command": command, "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+              "vllm": vllm.__version__, "settings": {k: v for k, v in settings.items() if k != "timeout_s"},
+              "rows": rows, "wall_time_s": round(time.time() - started, 1)}
+    (serve_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    markdown = (f"## Online serving: PreFT vs all-token vs base (`vllm bench serve`)\n\nCommand: `{command}` "
+                f"({result['machine']}, vLLM {result['vllm']}). Request i uses adapter i % {adapters} "
+                f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}.\n\n{table(rows)}\n")
+    (serve_dir / "serve.md").write_text(markdown)
+    plot(rows, serve_dir / "serve.png", f"{adapters} adapters, rank {rank}, {num_prompts} requests of "
+                                        f"{input_len}+{output_len} tokens, rate {request_rate:g}/s")
+    print(markdown)
+    print(f"written: {serve_dir / 'results.json'}, {serve_dir / 'serve.md'}, {serve_dir / 'serve.png'}")
+    return result
+
+
+def add_arguments(parser) -> None:
+    from preft.eval.report import default_of
+
+    for flag, kind, what in [
+        ("--model", str, "base model: 'default' or a local HF Llama/Qwen2 directory"),
+        ("--adapters", int, "adapters served (request i uses adapter i %% N)"),
+        ("--rank", int, "adapter rank"),
+        ("--kinds", str, f"comma-separated adapter kinds, of {', '.join(KINDS)}"),
+        ("--variants", str, f"comma-separated, of {', '.join(VARIANTS)}"),
+        ("--request-rate", float, "requests per second (Poisson arrivals; inf = all at once)"),
+        ("--num-prompts", int, "requests per run"),
+        ("--input-len", int, "prompt tokens per request"),
+        ("--output-len", int, "output tokens per request (EOS ignored)"),
+        ("--max-concurrency", int, "most requests in flight (0 = no limit)"),
+        ("--slo", str, "goodput SLOs, NAME:MS comma-separated (ttft, tpot, e2el)"),
+        ("--seed", int, "the random data set's seed"),
+        ("--out", str, "results directory"),
+    ]:
+        name = flag[2:].replace("-", "_")
+        default = default_of(main, name)
+        parser.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")

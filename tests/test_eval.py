@@ -1,0 +1,157 @@
+"""`preft eval`: each subcommand in a tiny configuration, on data and settings the tests choose,
+its outputs well-formed and taken from the run (an input changed shows in the numbers)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from preft.cli import main as cli_main
+from preft.eval import eval_loss, eval_report, eval_rl, eval_serve
+from preft.user_data import DataError
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def sort_rows(count: int, seed: int = 0) -> list[dict]:
+    """A user's own task: sort two digits descending."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": f"sort {a} {b} =", "completion": f" {max(a, b)} {min(a, b)}"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def eval_out(tmp_path_factory):
+    """One results directory with a tiny `eval loss` on a user JSONL and a tiny `eval serve`."""
+    root = tmp_path_factory.mktemp("eval")
+    data = write_jsonl(root / "mine.jsonl", sort_rows(48))
+    loss = eval_loss.main(data=data, ranks="2,8", methods="lora,lora_p", steps=3, eval_examples=8, batch_size=4,
+                          out=str(root / "out"))
+    serve = eval_serve.main(adapters=2, rank=8, variants="preft,base", num_prompts=6, input_len=16, output_len=4,
+                            out=str(root / "out"))
+    return {"root": root, "out": root / "out", "data": data, "loss": loss, "serve": serve}
+
+
+@pytest.mark.slow
+def test_eval_loss_trains_every_method_and_rank_on_the_users_file(eval_out):
+    loss, out = eval_out["loss"], eval_out["out"] / "loss"
+    assert {(r["method"], r["rank"]) for r in loss["runs"]} == {("lora", 2), ("lora", 8), ("lora_p", 2), ("lora_p", 8)}
+    assert loss["train_rows"] == 40 and loss["held_out_rows"] == 8  # 48 rows, 8 held out
+    for run in loss["runs"]:
+        assert run["steps"] == 3 and run["eval_loss"] > 0 and 0.0 <= run["exact_match"] <= 1.0
+        summary = json.loads((out / "runs" / f"{run['method']}-r{run['rank']}-s0" / "run_summary.json").read_text())
+        assert summary["final_eval_loss"] == run["eval_loss"]  # the table's number is the run's
+        assert summary["config"]["data"]["path"] == eval_out["data"]
+    by = {(r["method"], r["rank"]): r["eval_loss"] for r in loss["runs"]}
+    assert by[("lora_p", 2)] != by[("lora_p", 8)] and by[("lora", 8)] != by[("lora_p", 8)]  # rank and method matter
+    assert json.loads((out / "results.json").read_text())["runs"] == loss["runs"]
+    table = (out / "loss.md").read_text()
+    assert "| LoRA-P |" in table and "r=8" in table and f"{by[('lora_p', 8)]:.3f}" in table
+    assert (out / "loss_vs_rank.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"question": "q", "answer": "a"}] * 20, "expected 'prompt' and 'completion', or 'messages'"),
+    ([], "is empty"),
+    ([{"prompt": "sort 1 2 =", "completion": " "}] * 20, "empty completion"),
+    ([{"prompt": "sort 1 2 = " * 200, "completion": " 2 1"}] + sort_rows(19), "row 0: the prompt is"),
+    (sort_rows(5), "too few to hold out"),
+])
+def test_eval_loss_refuses_bad_data_in_one_line_before_any_training(tmp_path, capsys, rows, message):
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    code = cli_main(["eval", "loss", "--data", data, "--ranks", "2", "--steps", "1", "--eval-examples", "4",
+                     "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out" / "loss" / "runs").exists()
+
+
+def test_conversational_user_data_becomes_prompt_completion(tmp_path):
+    from preft.user_data import load_user_data
+
+    rows = [{"messages": [{"role": "user", "content": f"sort {i} 0 ="}, {"role": "assistant", "content": f"{i} 0"}]}
+            for i in range(12)]
+    train, held_out = load_user_data(write_jsonl(tmp_path / "chat.jsonl", rows), eval_examples=4)
+    assert len(train) == 8 and len(held_out) == 4
+    assert train[0]["prompt"][0]["role"] == "user" and train[0]["completion"][0]["role"] == "assistant"
+    with pytest.raises(DataError, match="end with the assistant"):
+        bad = [{"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}] * 12
+        load_user_data(write_jsonl(tmp_path / "bad.jsonl", bad), eval_examples=4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["loss", "--ranks", "four"], "--ranks 'four' is not a comma-separated list of ints"),
+    (["loss", "--methods", "prefix_tuning"], "unknown method(s) ['prefix_tuning']"),
+    (["serve", "--slo", "ttft=5"], "--slo 'ttft=5'"),
+    (["serve", "--variants", "fast"], "--variants: unknown ['fast']"),
+    (["rl", "--methods", "dpo"], "unknown method(s) ['dpo']"),
+    (["report", "--out", "/nonexistent/eval"], "no eval results found"),
+])
+def test_eval_refuses_bad_arguments_in_one_line(capsys, argv, message):
+    assert cli_main(["eval", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.slow
+def test_eval_serve_drives_preft_serve_with_vllms_benchmark_client(eval_out):
+    rows = {row["variant"]: row for row in eval_out["serve"]["rows"]}
+    assert set(rows) == {"preft", "base"} and rows["preft"]["adapters"] == 2 and rows["base"]["adapters"] == 0
+    for row in rows.values():  # vLLM's own numbers, from its result files
+        vllm_result = json.loads((eval_out["out"] / "serve" / "vllm" / f"{'lora-preft' if row['kind'] else 'base'}"
+                                  ".json").read_text())
+        assert row["completed"] == 6 and row["failed"] == 0 and row["total_output_tokens"] == 6 * 4
+        assert row["output_throughput"] == vllm_result["output_throughput"] > 0
+        assert row["median_ttft_ms"] > 0 and row["request_goodput"] is not None
+    table = (eval_out["out"] / "serve" / "serve.md").read_text()
+    assert "vllm bench serve" in table and f"{rows['preft']['output_throughput']:.1f}" in table
+    assert (eval_out["out"] / "serve" / "serve.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_eval_report_gathers_the_results_and_draws_the_trade_off(eval_out, tmp_path):
+    results = eval_report.main(out=str(eval_out["out"]), write_docs=True, docs_dir=str(tmp_path / "docs"))
+    rows = {row["variant"]: row for row in eval_out["serve"]["rows"]}
+    points = results["tradeoff"]["points"]
+    assert results["tradeoff"]["left_out"] == ["lora"]  # its all-token variant was not served
+    assert {(p["method"], p["rank"]) for p in points} == {("lora_p", 2), ("lora_p", 8)}
+    ratio = rows["preft"]["output_throughput"] / rows["base"]["output_throughput"]
+    assert all(p["throughput_vs_base"] == pytest.approx(ratio) for p in points)
+    report = (eval_out["out"] / "report.md").read_text()
+    assert "![trade-off](tradeoff.png)" in report and "Held-out loss by rank" in report and "vllm bench" in report
+    assert (eval_out["out"] / "tradeoff.png").stat().st_size > 1000
+    docs = (tmp_path / "docs" / "RESULTS.md").read_text()
+    assert "<!-- bench:eval_loss -->" in docs and "<!-- bench:eval_tradeoff -->" in docs
+    assert (tmp_path / "docs" / "results" / "eval_tradeoff.png").is_file()
+
+
+@pytest.mark.slow
+def test_eval_rl_runs_grpo_per_method_and_plots_the_reward(tmp_path):
+    result = eval_rl.main(methods="lora,lora_p", rank=4, steps=2, seeds="0", batch_size=16, out=str(tmp_path))
+    assert [(r["method"], r["steps"]) for r in result["runs"]] == [("lora", 2), ("lora_p", 2)]
+    for run in result["runs"]:
+        assert run["reward_history"] and all(0.0 <= reward <= 1.0 for _, reward in run["reward_history"])
+        assert 0.0 <= run["heldout_greedy_accuracy_after"] <= 1.0
+    assert "| LoRA-P |" in (tmp_path / "rl" / "rl.md").read_text()
+    assert (tmp_path / "rl" / "reward_vs_step.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_eval_loss_reuses_finished_runs_and_retrains_when_an_input_changes(eval_out, capsys):
+    """Last in the module: it rewrites the shared directory's loss results."""
+    again = eval_loss.main(data=eval_out["data"], ranks="2", methods="lora_p", steps=3, eval_examples=8,
+                           batch_size=4, out=str(eval_out["out"]))
+    assert "done before, reused" in capsys.readouterr().out
+    assert again["runs"][0] == next(r for r in eval_out["loss"]["runs"] if (r["method"], r["rank"]) == ("lora_p", 2))
+    other = write_jsonl(eval_out["root"] / "other.jsonl", sort_rows(48, seed=5))
+    changed = eval_loss.main(data=other, ranks="2", methods="lora_p", steps=3, eval_examples=8, batch_size=4,
+                             out=str(eval_out["root"] / "out2"))
+    assert changed["runs"][0]["eval_loss"] != again["runs"][0]["eval_loss"]
