@@ -219,9 +219,9 @@ def main(model: str = "default", data: str | None = None, ranks: str = "1,4,16,6
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import default_of
+    from preft.eval.report import add_flags
 
-    for flag, kind, what in [
+    add_flags(parser, main, [
         ("--model", str, "base model: 'default' (the embedded model) or a local HF Llama/Qwen2 directory"),
         ("--data", str, "a local JSONL/Parquet/CSV file or directory (prompt/completion or messages); "
                         "default: the synthetic personalisation task"),
@@ -234,7 +234,4 @@ def add_arguments(parser) -> None:
         ("--learning-rate", float, "learning rate for every run (default: each method's recipe config)"),
         ("--report-to", str, "the trainer's report_to ('none', or 'wandb': offline unless WANDB_MODE says)"),
         ("--out", str, "results directory"),
-    ]:
-        name = flag[2:].replace("-", "_")
-        default = default_of(main, name)
-        parser.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
+    ])

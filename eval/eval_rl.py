@@ -141,9 +141,9 @@ def main(methods: str = "lora,lora_p,reft_p", rank: int = 16, steps: int = 100, 
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import default_of
+    from preft.eval.report import add_flags
 
-    for flag, kind, what in [
+    add_flags(parser, main, [
         ("--methods", str, f"comma-separated, of {', '.join(METHODS)}"),
         ("--rank", int, "adapter rank"),
         ("--steps", int, "GRPO steps per run"),
@@ -151,7 +151,4 @@ def add_arguments(parser) -> None:
         ("--batch-size", int, "completions per step (prompts x num_generations)"),
         ("--model", str, "base model: 'default' or a local HF Llama/Qwen2 directory"),
         ("--out", str, "results directory"),
-    ]:
-        name = flag[2:].replace("-", "_")
-        default = default_of(main, name)
-        parser.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
+    ])

@@ -262,9 +262,9 @@ def main(model: str = "default", adapters: int = 8, rank: int = 16, kinds: str =
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import default_of
+    from preft.eval.report import add_flags
 
-    for flag, kind, what in [
+    add_flags(parser, main, [
         ("--model", str, "base model: 'default' or a local HF Llama/Qwen2 directory"),
         ("--adapters", int, "adapters served (request i uses adapter i %% N)"),
         ("--rank", int, "adapter rank"),
@@ -278,7 +278,4 @@ def add_arguments(parser) -> None:
         ("--slo", str, "goodput SLOs, NAME:MS comma-separated (ttft, tpot, e2el)"),
         ("--seed", int, "the random data set's seed"),
         ("--out", str, "results directory"),
-    ]:
-        name = flag[2:].replace("-", "_")
-        default = default_of(main, name)
-        parser.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
+    ])

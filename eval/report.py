@@ -54,3 +54,11 @@ def default_of(function, name: str) -> Any:
     """The default of ``function``'s keyword ``name``: a benchmark's defaults live in its
     ``main()`` alone, and its command-line flags and recorded command read them from there."""
     return inspect.signature(function).parameters[name].default
+
+
+def add_flags(parser, function, flags: list[tuple[str, type, str]]) -> None:
+    """One ``--flag`` per ``(flag, type, help)``, its default read from ``function``'s keyword of
+    the same name (``--eval-examples`` -> ``eval_examples``) and shown in the help."""
+    for flag, kind, what in flags:
+        default = default_of(function, flag[2:].replace("-", "_"))
+        parser.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
