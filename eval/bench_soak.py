@@ -251,6 +251,15 @@ def plot(run: dict, path: Path, title: str) -> None:
 
 
 def main(minutes: float = 3.0, concurrency: int = 16, seed: int = 0, publish: bool = True) -> dict:
+    """The soak; with ``publish``, its section of docs/RESULTS.md and docs/results/soak.png."""
+    result, run = measure(minutes, concurrency, seed)
+    if publish:
+        report(result, run)
+    return result
+
+
+def measure(minutes: float, concurrency: int, seed: int) -> tuple[dict, dict]:
+    """``(summary, the run's samples)`` of one soak."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "adapter_root"
         root.mkdir()
@@ -270,15 +279,21 @@ def main(minutes: float = 3.0, concurrency: int = 16, seed: int = 0, publish: bo
         if value != default_of(main, key))
     result = {"command": command, "machine": f"{platform.machine()}, {os.cpu_count()} cores", "minutes": minutes,
               "concurrency": concurrency, "server_ready_s": ready_s, **summary}
-    if publish:
-        report(result, run)
-    return result
+    return result, run
 
 
 def report(result: dict, run: dict) -> str:
     plot_path = REPO / "docs" / "results" / "soak.png"
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     plot(run, plot_path, f"{result['command']}: {result['requests']} requests")
+    markdown = soak_markdown(result, "results/soak.png")
+    write_result("soak", {**result}, markdown)
+    print(markdown)
+    return markdown
+
+
+def soak_markdown(result: dict, picture: str) -> str:
+    """The soak's section: its command, the plot at ``picture``, one row of figures."""
     latency, rss = result["completion_latency_s"], result["rss_mb"]
     kinds = ", ".join(f"{count} {kind}" for kind, count in result["by_kind"].items())
     markdown = "\n".join([
@@ -287,7 +302,7 @@ def report(result: dict, run: dict) -> str:
         f"Command: `{result['command']}` ({result['machine']}; the embedded model in float32 behind `--api-key`, "
         f"{result['concurrency']} concurrent clients for {result['minutes']} minutes; see `eval/bench_soak.py`).",
         "",
-        "![soak](results/soak.png)",
+        f"![soak]({picture})",
         "",
         "| requests | unexpected failures | mismatches vs HF | completion p50 / p99 | server RSS start → end |",
         "|---|---|---|---|---|",
@@ -295,8 +310,6 @@ def report(result: dict, run: dict) -> str:
         f"| {latency['p50'] * 1e3:.0f} / {latency['p99'] * 1e3:.0f} ms "
         f"| {rss['start']:.0f} → {rss['end']:.0f} MB ({rss['growth']:+.0f} MB) |",
     ])
-    write_result("soak", {**result}, markdown)
-    print(markdown)
     return markdown
 
 

@@ -2,11 +2,11 @@
 
     preft eval report [--out runs/eval] [--write-docs]
 
-Reads what ``preft eval loss`` / ``serve`` / ``rl`` wrote under ``OUT`` (``loss/results.json``,
-``serve/results.json``, ``rl/results.json``; any may be missing) and writes ``OUT/report.md``:
+Reads what ``preft eval loss`` / ``serve`` / ``rl`` / ``soak`` wrote under ``OUT``
+(``NAME/results.json``; any may be missing) and writes ``OUT/report.md``:
 each section with the command, machine and versions that produced it, and the headline figure
 ``OUT/tradeoff.png``: one point per (method, rank), x = serving throughput relative to the base
-model at N adapters (from ``eval serve``: LoRA-P and ReFT-P are its ``preft`` variant, all-token
+model at N adapters (from ``eval serve``, its largest N at its first rate: LoRA-P and ReFT-P are its ``preft`` variant, all-token
 LoRA its ``all-token`` variant), y = held-out loss (from ``eval loss``). Up and to the left is
 worse; PreFT's argument is points far to the right at little extra loss.
 
@@ -27,7 +27,7 @@ from typing import Any
 SERVED_AS = {"lora": ("lora", "all-token"), "lora_p": ("lora", "preft"), "loreft_p": ("reft", "preft"),
              "direft_p": ("reft", "preft")}
 SECTIONS = {"loss": ("loss.md", "loss_vs_rank.png"), "serve": ("serve.md", "serve.png"),
-            "rl": ("rl.md", "reward_vs_step.png")}
+            "rl": ("rl.md", "reward_vs_step.png"), "soak": ("soak.md", "soak.png")}
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -37,14 +37,17 @@ def _read(path: Path) -> dict[str, Any] | None:
 def tradeoff_points(loss: dict[str, Any], serve: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """``(points, methods left out)``: per (method, rank) the mean held-out loss and the throughput
     ratio to base of the variant that serves it."""
-    rows = serve["rows"]
+    rate = serve["rows"][0]["request_rate"]  # the first rate, the largest adapter count
+    rows = [r for r in serve["rows"] if r["request_rate"] == rate]
     base = next((r for r in rows if r["variant"] == "base"), None)
     if base is None:
         return [], sorted(set(loss["methods"]))
+    most = max((r["adapters"] for r in rows), default=0)
     points, missing = [], []
     for method in loss["methods"]:
         kind, variant = SERVED_AS[method]
-        served = next((r for r in rows if r["variant"] == variant and r["kind"] == kind), None)
+        served = next((r for r in rows if r["variant"] == variant and r["kind"] == kind and r["adapters"] == most),
+                      None)
         if served is None:
             missing.append(method)
             continue

@@ -1,8 +1,8 @@
 """`preft eval serve`: online serving, PreFT against all-token adapters and the base model alone,
 driven by vLLM's own benchmark client.
 
-    preft eval serve [--adapters 8] [--rank 16] [--kinds lora] [--variants preft,all-token,base]
-                     [--request-rate inf] [--num-prompts 128] [--input-len 32] [--output-len 64]
+    preft eval serve [--adapters 1,8] [--rank 16] [--kinds lora] [--variants preft,all-token,base]
+                     [--request-rate inf,16] [--num-prompts 128] [--input-len 32] [--output-len 64]
                      [--slo ttft:2000,tpot:100] [--model default] [--out runs/eval]
 
 For each adapter kind (``lora``: rank-R LoRA on every projection; ``reft``: rank-R LoReFT on
@@ -13,8 +13,9 @@ variant starts a real ``preft serve`` (``preft``: adapters on prompt tokens only
 with every request for the base model, on the first of those servers (the same engine, its
 adapters unused; a server of its own when no adapter variant is asked for). The benchmark uses vLLM's
 ``random`` data set of ``--input-len`` / ``--output-len`` tokens (``--ignore-eos``), Poisson
-arrivals at ``--request-rate``, and per-request adapters through its ``--lora-modules`` with
-``--lora-assignment round-robin``, so request i uses adapter i % N. (ReFT-P adapters are named
+arrivals at each ``--request-rate``, and per-request adapters through its ``--lora-modules`` with
+``--lora-assignment round-robin``, so request i uses adapter i % N; one server per variant
+serves every adapter count N of ``--adapters`` (its first N adapters). (ReFT-P adapters are named
 in ``model`` like LoRA ones: ``preft serve`` routes them.) Goodput is vLLM's ``--goodput``
 from ``--slo``: the rate of requests meeting every SLO.
 
@@ -73,15 +74,16 @@ def make_bundles(model_path: str, kind: str, count: int, rank: int, root: Path) 
     return export_random(model_path, count, make, root, kind)
 
 
-def bench_serve(url: str, model_name: str, tokenizer: str, adapters: list[str], settings: dict[str, Any],
-                result_dir: Path, result_name: str, log: Path) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; its result JSON."""
+def bench_serve(url: str, model_name: str, tokenizer: str, adapters: list[str], rate: float,
+                settings: dict[str, Any], result_dir: Path, result_name: str, log: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run at ``rate`` requests/s over ``adapters`` (none: the base model);
+    its result JSON."""
     slo = settings["slo"]
     command = [sys.executable, "-m", "preft.eval.vllm_bench", "serve", "--backend", "openai", "--base-url", url,
                "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer,
                "--dataset-name", "random", "--random-input-len", str(settings["input_len"]),
                "--random-output-len", str(settings["output_len"]), "--num-prompts", str(settings["num_prompts"]),
-               "--request-rate", str(settings["request_rate"]), "--ignore-eos", "--seed", str(settings["seed"]),
+               "--request-rate", f"{rate:g}", "--ignore-eos", "--seed", str(settings["seed"]),
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
                "--goodput", *[f"{name}:{ms:g}" for name, ms in slo.items()],
                "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name,
@@ -117,15 +119,16 @@ def warm_up(url: str, models: list[str], rounds: int = 4) -> None:
 
 def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings: dict[str, Any], out: Path,
                     with_base: bool) -> list[dict]:
-    """Start ``preft serve`` for ``variant`` (with ``bundles``), run the benchmark with requests over
-    its adapters and, if ``with_base``, once more with requests for the base model on the same
-    server (a like-for-like base: the same engine, the adapters unused); its rows."""
+    """Start ``preft serve`` for ``variant`` with ``bundles``, run the benchmark for every adapter
+    count N (requests over its first N adapters) and rate and, if ``with_base``, once per rate with
+    requests for the base model on the same server (a like-for-like base: the same engine, the
+    adapters unused); its rows."""
     from preft.serving.server_process import start_server, stop_server
 
     names = [f"{kind}{i}" for i in range(len(bundles))]
     args = ["--model", settings["model"], "--max-model-len", str(settings["input_len"] + settings["output_len"] + 8),
-            "--max-adapters", str(max(1, min(len(bundles), settings["max_adapters"]))),
-            "--max-rank", str(settings["rank"]), "--kv-cache-gib", str(settings["kv_cache_gib"])]
+            "--max-adapters", str(max(1, len(bundles))), "--max-rank", str(settings["rank"]),
+            "--kv-cache-gib", str(settings["kv_cache_gib"])]
     for name, bundle in zip(names, bundles):
         args += ["--adapter", f"{name}={bundle}"]
     if variant == "all-token":
@@ -138,34 +141,39 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     default = settings["model"] == "default"
     tokenizer = preft.DEFAULT_BASE_MODEL if default else settings["model"]
     served_name = "base" if default else str(Path(settings["model"]))  # as preft serve names it
-    runs = [(variant, kind, names, label)] if kind else []
+    runs = [(variant, kind, names[:count], rate) for rate in settings["rates"] for count in settings["counts"]] \
+        if kind else []
     if with_base:
-        runs.append(("base", None, [], "base"))
+        runs += [("base", None, [], rate) for rate in settings["rates"]]
     rows = []
     try:
         warm_up(url, [served_name, *names])
-        for run_variant, run_kind, run_names, run_label in runs:
-            result = bench_serve(url, served_name, tokenizer, run_names, settings, out / "vllm", f"{run_label}.json",
-                                 logs / f"bench-{run_label}.log")
-            rows.append({"variant": run_variant, "kind": run_kind, "adapters": len(run_names),
+        for run_variant, run_kind, run_names, rate in runs:
+            run_label = f"{label if run_kind else 'base'}-n{len(run_names)}-rate{rate:g}"
+            result = bench_serve(url, served_name, tokenizer, run_names, rate, settings, out / "vllm",
+                                 f"{run_label}.json", logs / f"bench-{run_label}.log")
+            rows.append({"variant": run_variant, "kind": run_kind, "adapters": len(run_names), "request_rate": rate,
                          "rank": settings["rank"] if run_kind else None, "server_ready_s": round(ready_s, 1),
-                         **{m: result.get(m) for m in METRICS}})
+                         "result_file": f"vllm/{run_label}.json", **{m: result.get(m) for m in METRICS}})
     finally:
         stop_server(proc)
     return rows
 
 
+def base_row(rows: list[dict[str, Any]], rate: float) -> dict[str, Any] | None:
+    return next((r for r in rows if r["variant"] == "base" and r["request_rate"] == rate), None)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    base = next((r for r in rows if r["variant"] == "base"), None)
-    head = ("| variant | adapters | output tok/s | vs base | req/s | goodput req/s | TTFT p50 / p99 (ms) | "
-            "TPOT p50 / p99 (ms) |")
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head = ("| variant | adapters | rate (req/s) | output tok/s | vs base | req/s | goodput req/s | "
+            "TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base and r is not base else "1.00x" \
-            if r is base else "-"
+        base = base_row(rows, r["request_rate"])
+        ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
         name = VARIANTS[r["variant"]] + (f", {KINDS[r['kind']]} r={r['rank']}" if r["kind"] else "")
         name += " (same server)" if r["variant"] == "base" and len(rows) > 1 else ""
-        lines.append(f"| {name} | {r['adapters']} | {r['output_throughput']:.1f} | {ratio} | "
+        lines.append(f"| {name} | {r['adapters']} | {r['request_rate']:g} | {r['output_throughput']:.1f} | {ratio} | "
                      f"{r['request_throughput']:.2f} | {(r['request_goodput'] or 0):.2f} | "
                      f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
                      f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} |")
@@ -178,15 +186,16 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [(f"{r['kind']} {r['variant']}" if r["kind"] else "base") for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    labels = [(f"{r['kind']} {r['variant']}" if r["kind"] else "base") + f"\nN={r['adapters']}, {r['request_rate']:g}/s"
+              for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(max(11, 1.1 * len(rows) * 3), 3.8))
     panels = [("output_throughput", "output tokens/s"), ("median_ttft_ms", "TTFT p50 (ms)"),
               ("median_tpot_ms", "TPOT p50 (ms)")]
     for ax, (key, name) in zip(axes, panels):
         ax.bar(labels, [r[key] for r in rows], color=["C0" if r["variant"] == "preft" else "C1" if r["variant"] ==
                                                       "all-token" else "C7" for r in rows])
         ax.set_title(name, fontsize=10)
-        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.tick_params(axis="x", rotation=30, labelsize=7)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -194,8 +203,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(model: str = "default", adapters: int = 8, rank: int = 16, kinds: str = "lora",
-         variants: str = "preft,all-token,base", request_rate: float = float("inf"), num_prompts: int = 128,
+def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str = "lora",
+         variants: str = "preft,all-token,base", request_rate: str = "inf", num_prompts: int = 128,
          input_len: int = 32, output_len: int = 64, max_concurrency: int = 0, slo: str = "ttft:2000,tpot:100",
          seed: int = 0, out: str = "runs/eval") -> dict[str, Any]:
     from preft.eval.eval_loss import parse_list
@@ -203,16 +212,18 @@ def main(model: str = "default", adapters: int = 8, rank: int = 16, kinds: str =
 
     started = time.time()
     variant_list, kind_list = parse_list(variants, str, "variants"), parse_list(kinds, str, "kinds")
+    counts = parse_list(str(adapters), int, "adapters")
+    rates = parse_list(str(request_rate), float, "request-rate")
     for given, known, flag in ((variant_list, VARIANTS, "variants"), (kind_list, KINDS, "kinds")):
         unknown = [v for v in given if v not in known]
         if unknown:
             raise ValueError(f"--{flag}: unknown {unknown} (choose from {', '.join(known)})")
-    if min(adapters, rank, num_prompts, input_len, output_len) < 1 or max_concurrency < 0 or request_rate <= 0:
+    if min(*counts, rank, num_prompts, input_len, output_len) < 1 or max_concurrency < 0 or min(rates) <= 0:
         raise ValueError("--adapters, --rank, --num-prompts, --input-len, --output-len and --request-rate must be "
                          "> 0 (--max-concurrency >= 0)")
     settings = {"model": model, "rank": rank, "slo": parse_slo(slo), "input_len": input_len, "output_len": output_len,
-                "num_prompts": num_prompts, "request_rate": request_rate, "max_concurrency": max_concurrency,
-                "seed": seed, "max_adapters": adapters, "max_num_seqs": max(8, min(num_prompts, 256)),
+                "num_prompts": num_prompts, "counts": counts, "rates": rates, "max_concurrency": max_concurrency,
+                "seed": seed, "max_num_seqs": max(8, min(num_prompts, 256)),
                 "kv_cache_gib": 1, "timeout_s": 1800}
     model_path = resolve_model(model)
     serve_dir = Path(out) / "serve"
@@ -229,7 +240,7 @@ def main(model: str = "default", adapters: int = 8, rank: int = 16, kinds: str =
                 kind_dir = Path(tmp) / kind
                 if not kind_dir.is_dir():
                     kind_dir.mkdir()
-                    make_bundles(model_path, kind, adapters, rank, kind_dir)
+                    make_bundles(model_path, kind, max(counts), rank, kind_dir)
                 bundles = sorted((str(p) for p in kind_dir.glob(f"{kind}_bundle*")),
                                  key=lambda p: int(p.rsplit("bundle", 1)[1]))
             print(f"[eval serve {index}/{len(servers)}] {VARIANTS[variant]}" + (
@@ -239,7 +250,7 @@ def main(model: str = "default", adapters: int = 8, rank: int = 16, kinds: str =
             rows += serve_and_bench(variant, kind, bundles, settings, serve_dir, with_base=base_pending)
             base_pending = False
     command = (f"preft eval serve --adapters {adapters} --rank {rank} --kinds {kinds} --variants {variants} "
-               f"--request-rate {request_rate:g} --num-prompts {num_prompts} --input-len {input_len} "
+               f"--request-rate {request_rate} --num-prompts {num_prompts} --input-len {input_len} "
                f"--output-len {output_len} --slo {slo}" + (f" --max-concurrency {max_concurrency}"
                                                             if max_concurrency else "") + f" --model {model}")
     import platform
@@ -251,11 +262,12 @@ def main(model: str = "default", adapters: int = 8, rank: int = 16, kinds: str =
               "rows": rows, "wall_time_s": round(time.time() - started, 1)}
     (serve_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     markdown = (f"## Online serving: PreFT vs all-token vs base (`vllm bench serve`)\n\nCommand: `{command}` "
-                f"({result['machine']}, vLLM {result['vllm']}). Request i uses adapter i % {adapters} "
-                f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}.\n\n{table(rows)}\n")
+                f"({result['machine']}, vLLM {result['vllm']}). With N adapters request i uses adapter i % N "
+                f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}; ratios to the base model "
+                f"at the same rate.\n\n{table(rows)}\n")
     (serve_dir / "serve.md").write_text(markdown)
-    plot(rows, serve_dir / "serve.png", f"{adapters} adapters, rank {rank}, {num_prompts} requests of "
-                                        f"{input_len}+{output_len} tokens, rate {request_rate:g}/s")
+    plot(rows, serve_dir / "serve.png", f"rank {rank}, {num_prompts} requests of {input_len}+{output_len} tokens "
+                                        "per run")
     print(markdown)
     print(f"written: {serve_dir / 'results.json'}, {serve_dir / 'serve.md'}, {serve_dir / 'serve.png'}")
     return result
@@ -266,11 +278,11 @@ def add_arguments(parser) -> None:
 
     add_flags(parser, main, [
         ("--model", str, "base model: 'default' or a local HF Llama/Qwen2 directory"),
-        ("--adapters", int, "adapters served (request i uses adapter i %% N)"),
+        ("--adapters", str, "comma-separated adapter counts N (request i uses adapter i %% N)"),
         ("--rank", int, "adapter rank"),
         ("--kinds", str, f"comma-separated adapter kinds, of {', '.join(KINDS)}"),
         ("--variants", str, f"comma-separated, of {', '.join(VARIANTS)}"),
-        ("--request-rate", float, "requests per second (Poisson arrivals; inf = all at once)"),
+        ("--request-rate", str, "comma-separated requests per second (Poisson arrivals; inf = all at once)"),
         ("--num-prompts", int, "requests per run"),
         ("--input-len", int, "prompt tokens per request"),
         ("--output-len", int, "output tokens per request (EOS ignored)"),

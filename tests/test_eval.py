@@ -105,9 +105,9 @@ def test_eval_refuses_bad_arguments_in_one_line(capsys, argv, message):
 def test_eval_serve_drives_preft_serve_with_vllms_benchmark_client(eval_out):
     rows = {row["variant"]: row for row in eval_out["serve"]["rows"]}
     assert set(rows) == {"preft", "base"} and rows["preft"]["adapters"] == 2 and rows["base"]["adapters"] == 0
+    assert all(row["request_rate"] == float("inf") for row in rows.values())
     for row in rows.values():  # vLLM's own numbers, from its result files
-        vllm_result = json.loads((eval_out["out"] / "serve" / "vllm" / f"{'lora-preft' if row['kind'] else 'base'}"
-                                  ".json").read_text())
+        vllm_result = json.loads((eval_out["out"] / "serve" / row["result_file"]).read_text())
         assert row["completed"] == 6 and row["failed"] == 0 and row["total_output_tokens"] == 6 * 4
         assert row["output_throughput"] == vllm_result["output_throughput"] > 0
         assert row["median_ttft_ms"] > 0 and row["request_goodput"] is not None
