@@ -13,7 +13,7 @@ else
   EXTRA := cpu
 endif
 
-.PHONY: install demo test bench base-model clean
+.PHONY: install demo test bench eval base-model clean
 
 install: $(STAMP)
 
@@ -38,6 +38,13 @@ bench: install
 	$(BIN)/preft bench throughput
 	$(BIN)/preft bench throughput --model 512x8 --adapters 1,8,64 --prompts 64 --rounds 3
 	$(BIN)/preft bench soak
+
+# The eval harness on the embedded model, its sections into docs/RESULTS.md (about 35 minutes).
+eval: install
+	$(BIN)/preft eval loss --out runs/eval_results
+	$(BIN)/preft eval serve --adapters 8 --kinds lora,reft --num-prompts 128 --output-len 64 --out runs/eval_results
+	$(BIN)/preft eval rl --out runs/eval_results
+	$(BIN)/preft eval report --out runs/eval_results --write-docs
 
 # Rebuild the embedded default base model (about 15 minutes on 2 CPU cores).
 base-model: install

@@ -37,18 +37,18 @@ def _read(path: Path) -> dict[str, Any] | None:
 def tradeoff_points(loss: dict[str, Any], serve: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """``(points, methods left out)``: per (method, rank) the mean held-out loss and the throughput
     ratio to base of the variant that serves it."""
+    from preft.eval.eval_serve import base_row
+
     rate = serve["rows"][0]["request_rate"]  # the first rate, the largest adapter count
     rows = [r for r in serve["rows"] if r["request_rate"] == rate]
-    base = next((r for r in rows if r["variant"] == "base"), None)
-    if base is None:
-        return [], sorted(set(loss["methods"]))
     most = max((r["adapters"] for r in rows), default=0)
     points, missing = [], []
     for method in loss["methods"]:
         kind, variant = SERVED_AS[method]
         served = next((r for r in rows if r["variant"] == variant and r["kind"] == kind and r["adapters"] == most),
                       None)
-        if served is None:
+        base = base_row(rows, served) if served else None
+        if base is None:
             missing.append(method)
             continue
         for rank in loss["ranks"]:

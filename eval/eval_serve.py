@@ -10,8 +10,9 @@ every layer) it exports N bundles with random weights against the base model, th
 variant starts a real ``preft serve`` (``preft``: adapters on prompt tokens only;
 ``all-token``: the same bundles with ``--all-token``, standard multi-adapter serving) and runs
 ``vllm bench serve`` against it (:mod:`preft.eval.vllm_bench`). ``base`` is the same benchmark
-with every request for the base model, on the first of those servers (the same engine, its
-adapters unused; a server of its own when no adapter variant is asked for). The benchmark uses vLLM's
+with every request for the base model, on each of those servers just before its adapter runs
+(the same engine, its adapters unused, so every ratio to base is measured side by side; a server
+of its own when no adapter variant is asked for). The benchmark uses vLLM's
 ``random`` data set of ``--input-len`` / ``--output-len`` tokens (``--ignore-eos``), Poisson
 arrivals at each ``--request-rate``, and per-request adapters through its ``--lora-modules`` with
 ``--lora-assignment round-robin``, so request i uses adapter i % N; one server per variant
@@ -141,27 +142,30 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     default = settings["model"] == "default"
     tokenizer = preft.DEFAULT_BASE_MODEL if default else settings["model"]
     served_name = "base" if default else str(Path(settings["model"]))  # as preft serve names it
-    runs = [(variant, kind, names[:count], rate) for rate in settings["rates"] for count in settings["counts"]] \
-        if kind else []
-    if with_base:
-        runs += [("base", None, [], rate) for rate in settings["rates"]]
+    runs = []
+    for rate in settings["rates"]:  # per rate: the base model, then each adapter count, moments apart
+        runs += [("base", None, [], rate)] if with_base else []
+        runs += [(variant, kind, names[:count], rate) for count in settings["counts"]] if kind else []
     rows = []
     try:
         warm_up(url, [served_name, *names])
         for run_variant, run_kind, run_names, rate in runs:
-            run_label = f"{label if run_kind else 'base'}-n{len(run_names)}-rate{rate:g}"
+            run_label = f"{label}-{'base' if run_kind is None and kind else 'n' + str(len(run_names))}-rate{rate:g}"
             result = bench_serve(url, served_name, tokenizer, run_names, rate, settings, out / "vllm",
                                  f"{run_label}.json", logs / f"bench-{run_label}.log")
-            rows.append({"variant": run_variant, "kind": run_kind, "adapters": len(run_names), "request_rate": rate,
-                         "rank": settings["rank"] if run_kind else None, "server_ready_s": round(ready_s, 1),
-                         "result_file": f"vllm/{run_label}.json", **{m: result.get(m) for m in METRICS}})
+            rows.append({"variant": run_variant, "kind": run_kind, "server": label, "adapters": len(run_names),
+                         "request_rate": rate, "rank": settings["rank"] if run_kind else None,
+                         "server_ready_s": round(ready_s, 1), "result_file": f"vllm/{run_label}.json",
+                         **{m: result.get(m) for m in METRICS}})
     finally:
         stop_server(proc)
     return rows
 
 
-def base_row(rows: list[dict[str, Any]], rate: float) -> dict[str, Any] | None:
-    return next((r for r in rows if r["variant"] == "base" and r["request_rate"] == rate), None)
+def base_row(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any] | None:
+    """The base model's run on ``row``'s server at its rate (measured moments before it)."""
+    return next((r for r in rows if r["variant"] == "base" and r["server"] == row["server"]
+                 and r["request_rate"] == row["request_rate"]), None)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -169,10 +173,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             "TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = base_row(rows, r["request_rate"])
+        base = base_row(rows, r)
         ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
         name = VARIANTS[r["variant"]] + (f", {KINDS[r['kind']]} r={r['rank']}" if r["kind"] else "")
-        name += " (same server)" if r["variant"] == "base" and len(rows) > 1 else ""
+        name += f" (on the {r['server']} server)" if r["variant"] == "base" and r["server"] != "base" else ""
         lines.append(f"| {name} | {r['adapters']} | {r['request_rate']:g} | {r['output_throughput']:.1f} | {ratio} | "
                      f"{r['request_throughput']:.2f} | {(r['request_goodput'] or 0):.2f} | "
                      f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
@@ -186,8 +190,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [(f"{r['kind']} {r['variant']}" if r["kind"] else "base") + f"\nN={r['adapters']}, {r['request_rate']:g}/s"
-              for r in rows]
+    labels = [(f"{r['kind']} {r['variant']}" if r["kind"] else f"base ({r['server']})") +
+              f"\nN={r['adapters']}, {r['request_rate']:g}/s" for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(max(11, 1.1 * len(rows) * 3), 3.8))
     panels = [("output_throughput", "output tokens/s"), ("median_ttft_ms", "TTFT p50 (ms)"),
               ("median_tpot_ms", "TPOT p50 (ms)")]
@@ -230,10 +234,11 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
     serve_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="preft-eval-serve-") as tmp:
-        # one server per (kind, adapter variant); the base model is measured on the first of them
-        # (the same engine, requests without adapters), or alone if no adapter variant is asked for
+        # one server per (kind, adapter variant); the base model is measured on each of them, just
+        # before its adapter runs (the same engine, requests without adapters: ratios side by side),
+        # or alone if no adapter variant is asked for
         servers = [(v, k) for k in kind_list for v in variant_list if v != "base"] or [("base", None)]
-        base_pending = "base" in variant_list
+        with_base = "base" in variant_list
         for index, (variant, kind) in enumerate(servers, 1):
             bundles = []
             if kind is not None:
@@ -245,10 +250,9 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
                                  key=lambda p: int(p.rsplit("bundle", 1)[1]))
             print(f"[eval serve {index}/{len(servers)}] {VARIANTS[variant]}" + (
                 f", {len(bundles)} {KINDS[kind]} adapters" if kind else "") + (
-                " (and the base model on the same server)" if base_pending and kind else "") +
+                " (and the base model on the same server)" if with_base and kind else "") +
                 f" ({time.time() - started:.0f} s so far)", flush=True)
-            rows += serve_and_bench(variant, kind, bundles, settings, serve_dir, with_base=base_pending)
-            base_pending = False
+            rows += serve_and_bench(variant, kind, bundles, settings, serve_dir, with_base=with_base)
     command = (f"preft eval serve --adapters {adapters} --rank {rank} --kinds {kinds} --variants {variants} "
                f"--request-rate {request_rate} --num-prompts {num_prompts} --input-len {input_len} "
                f"--output-len {output_len} --slo {slo}" + (f" --max-concurrency {max_concurrency}"
@@ -263,8 +267,8 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
     (serve_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     markdown = (f"## Online serving: PreFT vs all-token vs base (`vllm bench serve`)\n\nCommand: `{command}` "
                 f"({result['machine']}, vLLM {result['vllm']}). With N adapters request i uses adapter i % N "
-                f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}; ratios to the base model "
-                f"at the same rate.\n\n{table(rows)}\n")
+                f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}; each ratio is to the base "
+                f"model on the same server at the same rate, measured just before.\n\n{table(rows)}\n")
     (serve_dir / "serve.md").write_text(markdown)
     plot(rows, serve_dir / "serve.png", f"rank {rank}, {num_prompts} requests of {input_len}+{output_len} tokens "
                                         "per run")

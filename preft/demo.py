@@ -130,7 +130,6 @@ def main(steps: int = 300, output_dir: str = "runs/demo", eval_adapters: int = 8
     stage(f"4/4 measure: preft eval serve, {eval_adapters} adapters, PreFT vs all-token vs base")
     result = eval_serve.main(adapters=eval_adapters, rank=16, variants="preft,all-token,base", num_prompts=128,
                              input_len=32, output_len=64, out=str(out / "eval"))
-    rows = {row["variant"]: row for row in result["rows"]}
     summary = Table(title="what this run measured")
     for column in ("adapter", "held-out loss before → after", "exact match (served)"):
         summary.add_column(column)
@@ -138,10 +137,10 @@ def main(steps: int = 300, output_dir: str = "runs/demo", eval_adapters: int = 8
         before, after = losses[name]
         summary.add_row(name, f"{before:.3f} → {after:.3f}", f"{matches[name]}/{PROMPTS_PER_USER}")
     console.print(summary)
-    if {"preft", "all-token", "base"} <= set(rows):
-        base = rows["base"]["output_throughput"]
-        console.print(f"  serving {eval_adapters} adapters: PreFT {rows['preft']['output_throughput'] / base:.2f}x "
-                      f"the base model's output tokens/s, all-token {rows['all-token']['output_throughput'] / base:.2f}x")
+    ratios = {row["variant"]: row["output_throughput"] / eval_serve.base_row(result["rows"], row)["output_throughput"]
+              for row in result["rows"] if row["variant"] != "base"}
+    console.print(f"  serving {eval_adapters} adapters: PreFT {ratios['preft']:.2f}x the base model's output tokens/s "
+                  f"on the same server, all-token {ratios['all-token']:.2f}x")
     console.print(f"  tables and plot: {out / 'eval' / 'serve' / 'serve.md'}, {out / 'eval' / 'serve' / 'serve.png'}")
     console.print(f"done in {time.time() - started:.0f} s")
     return {"losses": losses, "matches": matches, "serve": result}
