@@ -54,7 +54,7 @@ def tradeoff_points(loss: dict[str, Any], serve: dict[str, Any]) -> tuple[list[d
         for rank in loss["ranks"]:
             runs = [r["eval_loss"] for r in loss["runs"] if r["method"] == method and r["rank"] == rank]
             points.append({"method": method, "rank": rank, "eval_loss": statistics.mean(runs),
-                           "throughput_vs_base": served["output_throughput"] / base["output_throughput"],
+                           "throughput_vs_base": served["vs_base"],
                            "served_rank": served["rank"], "adapters": served["adapters"]})
     return points, missing
 

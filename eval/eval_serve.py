@@ -20,7 +20,10 @@ serves every adapter count N of ``--adapters`` (its first N adapters). (ReFT-P a
 in ``model`` like LoRA ones: ``preft serve`` routes them.) Goodput is vLLM's ``--goodput``
 from ``--slo``: the rate of requests meeting every SLO.
 
-Each run's full vLLM result JSON is kept in ``OUT/serve/vllm/``; ``OUT/serve/results.json`` and
+Every run is repeated ``--rounds`` times, the order rotated each round, because these machines'
+speed drifts by tens of percent within minutes: the figures are medians over the rounds, and a
+ratio to base is the median of per-round ratios (runs moments apart), with its range. Each run's
+full vLLM result JSON is kept in ``OUT/serve/vllm/``; ``OUT/serve/results.json`` and
 ``serve.md`` put throughput, TTFT/TPOT percentiles and goodput side by side, with ratios to base,
 and ``serve.png`` plots them. The offline counterpart is ``preft bench throughput``.
 """
@@ -28,6 +31,7 @@ and ``serve.png`` plots them. The offline counterpart is ``preft bench throughpu
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,10 +124,13 @@ def warm_up(url: str, models: list[str], rounds: int = 4) -> None:
 
 def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings: dict[str, Any], out: Path,
                     with_base: bool) -> list[dict]:
-    """Start ``preft serve`` for ``variant`` with ``bundles``, run the benchmark for every adapter
-    count N (requests over its first N adapters) and rate and, if ``with_base``, once per rate with
+    """Start ``preft serve`` for ``variant`` with ``bundles`` and run the benchmark for every adapter
+    count N (requests over its first N adapters) and rate and, if ``with_base``, per rate with
     requests for the base model on the same server (a like-for-like base: the same engine, the
-    adapters unused); its rows."""
+    adapters unused). Every run happens once per round, ``settings["rounds"]`` rounds, the order
+    rotated each round; a row holds the median of each metric over the rounds and, for an adapter
+    run, ``vs_base``: the median over rounds of its throughput over that round's base run (the
+    machine's speed drifts: ratios are taken moments apart)."""
     from preft.serving.server_process import start_server, stop_server
 
     names = [f"{kind}{i}" for i in range(len(bundles))]
@@ -142,28 +149,46 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     default = settings["model"] == "default"
     tokenizer = preft.DEFAULT_BASE_MODEL if default else settings["model"]
     served_name = "base" if default else str(Path(settings["model"]))  # as preft serve names it
-    runs = []
-    for rate in settings["rates"]:  # per rate: the base model, then each adapter count, moments apart
+    runs = []  # (variant, kind, adapter names, rate)
+    for rate in settings["rates"]:
         runs += [("base", None, [], rate)] if with_base else []
         runs += [(variant, kind, names[:count], rate) for count in settings["counts"]] if kind else []
-    rows = []
+    results: dict[int, list[dict]] = {index: [] for index in range(len(runs))}
     try:
         warm_up(url, [served_name, *names])
-        for run_variant, run_kind, run_names, rate in runs:
-            run_label = f"{label}-{'base' if run_kind is None and kind else 'n' + str(len(run_names))}-rate{rate:g}"
-            result = bench_serve(url, served_name, tokenizer, run_names, rate, settings, out / "vllm",
-                                 f"{run_label}.json", logs / f"bench-{run_label}.log")
-            rows.append({"variant": run_variant, "kind": run_kind, "server": label, "adapters": len(run_names),
-                         "request_rate": rate, "rank": settings["rank"] if run_kind else None,
-                         "server_ready_s": round(ready_s, 1), "result_file": f"vllm/{run_label}.json",
-                         **{m: result.get(m) for m in METRICS}})
+        for round_index in range(settings["rounds"]):  # every run once a round, the order rotated
+            shift = round_index % len(runs)
+            for index in list(range(len(runs)))[shift:] + list(range(len(runs)))[:shift]:
+                run_variant, run_kind, run_names, rate = runs[index]
+                run_label = (f"{label}-{'base' if run_kind is None and kind else 'n' + str(len(run_names))}"
+                             f"-rate{rate:g}-round{round_index}")
+                results[index].append(bench_serve(url, served_name, tokenizer, run_names, rate, settings,
+                                                  out / "vllm", f"{run_label}.json", logs / f"bench-{run_label}.log")
+                                      | {"result_file": f"vllm/{run_label}.json"})
     finally:
         stop_server(proc)
+    rows = []
+    for index, (run_variant, run_kind, run_names, rate) in enumerate(runs):
+        rows.append({"variant": run_variant, "kind": run_kind, "server": label, "adapters": len(run_names),
+                     "request_rate": rate, "rank": settings["rank"] if run_kind else None,
+                     "server_ready_s": round(ready_s, 1), "rounds": len(results[index]),
+                     "result_files": [r["result_file"] for r in results[index]],
+                     **{m: median(r.get(m) for r in results[index]) for m in METRICS}})
+        if run_variant != "base" and with_base:  # per round, to the base run of that round
+            base_index = runs.index(("base", None, [], rate))
+            ratios = [r["output_throughput"] / b["output_throughput"] for r, b in zip(results[index],
+                                                                                      results[base_index])]
+            rows[-1].update(vs_base=statistics.median(ratios), vs_base_range=[min(ratios), max(ratios)])
     return rows
 
 
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def base_row(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any] | None:
-    """The base model's run on ``row``'s server at its rate (measured moments before it)."""
+    """The base model's row on ``row``'s server at its rate (measured in the same rounds)."""
     return next((r for r in rows if r["variant"] == "base" and r["server"] == row["server"]
                  and r["request_rate"] == row["request_rate"]), None)
 
@@ -173,8 +198,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             "TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = base_row(rows, r)
-        ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
+        ratio = "1.00x" if r["variant"] == "base" else (
+            f"{r['vs_base']:.2f}x [{r['vs_base_range'][0]:.2f}-{r['vs_base_range'][1]:.2f}]" if "vs_base" in r else "-")
         name = VARIANTS[r["variant"]] + (f", {KINDS[r['kind']]} r={r['rank']}" if r["kind"] else "")
         name += f" (on the {r['server']} server)" if r["variant"] == "base" and r["server"] != "base" else ""
         lines.append(f"| {name} | {r['adapters']} | {r['request_rate']:g} | {r['output_throughput']:.1f} | {ratio} | "
@@ -210,7 +235,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str = "lora",
          variants: str = "preft,all-token,base", request_rate: str = "inf", num_prompts: int = 128,
          input_len: int = 32, output_len: int = 64, max_concurrency: int = 0, slo: str = "ttft:2000,tpot:100",
-         seed: int = 0, out: str = "runs/eval") -> dict[str, Any]:
+         rounds: int = 3, seed: int = 0, out: str = "runs/eval") -> dict[str, Any]:
     from preft.eval.eval_loss import parse_list
     from preft.recipes.common import resolve_model
 
@@ -222,12 +247,12 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
         unknown = [v for v in given if v not in known]
         if unknown:
             raise ValueError(f"--{flag}: unknown {unknown} (choose from {', '.join(known)})")
-    if min(*counts, rank, num_prompts, input_len, output_len) < 1 or max_concurrency < 0 or min(rates) <= 0:
-        raise ValueError("--adapters, --rank, --num-prompts, --input-len, --output-len and --request-rate must be "
+    if min(*counts, rank, num_prompts, input_len, output_len, rounds) < 1 or max_concurrency < 0 or min(rates) <= 0:
+        raise ValueError("--adapters, --rank, --num-prompts, --input-len, --output-len, --rounds and --request-rate must be "
                          "> 0 (--max-concurrency >= 0)")
     settings = {"model": model, "rank": rank, "slo": parse_slo(slo), "input_len": input_len, "output_len": output_len,
                 "num_prompts": num_prompts, "counts": counts, "rates": rates, "max_concurrency": max_concurrency,
-                "seed": seed, "max_num_seqs": max(8, min(num_prompts, 256)),
+                "seed": seed, "rounds": rounds, "max_num_seqs": max(8, min(num_prompts, 256)),
                 "kv_cache_gib": 1, "timeout_s": 1800}
     model_path = resolve_model(model)
     serve_dir = Path(out) / "serve"
@@ -255,7 +280,7 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
             rows += serve_and_bench(variant, kind, bundles, settings, serve_dir, with_base=with_base)
     command = (f"preft eval serve --adapters {adapters} --rank {rank} --kinds {kinds} --variants {variants} "
                f"--request-rate {request_rate} --num-prompts {num_prompts} --input-len {input_len} "
-               f"--output-len {output_len} --slo {slo}" + (f" --max-concurrency {max_concurrency}"
+               f"--output-len {output_len} --slo {slo} --rounds {rounds}" + (f" --max-concurrency {max_concurrency}"
                                                             if max_concurrency else "") + f" --model {model}")
     import platform
 
@@ -267,8 +292,9 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
     (serve_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     markdown = (f"## Online serving: PreFT vs all-token vs base (`vllm bench serve`)\n\nCommand: `{command}` "
                 f"({result['machine']}, vLLM {result['vllm']}). With N adapters request i uses adapter i % N "
-                f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}; each ratio is to the base "
-                f"model on the same server at the same rate, measured just before.\n\n{table(rows)}\n")
+                f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}. {rounds} rounds, every run once "
+                f"a round in a rotated order; each figure is the median over the rounds, and each ratio the median "
+                f"of per-round ratios to the base model on the same server at the same rate [their range].\n\n{table(rows)}\n")
     (serve_dir / "serve.md").write_text(markdown)
     plot(rows, serve_dir / "serve.png", f"rank {rank}, {num_prompts} requests of {input_len}+{output_len} tokens "
                                         "per run")
@@ -292,6 +318,7 @@ def add_arguments(parser) -> None:
         ("--output-len", int, "output tokens per request (EOS ignored)"),
         ("--max-concurrency", int, "most requests in flight (0 = no limit)"),
         ("--slo", str, "goodput SLOs, NAME:MS comma-separated (ttft, tpot, e2el)"),
+        ("--rounds", int, "rounds: each run once a round, order rotated; medians over rounds"),
         ("--seed", int, "the random data set's seed"),
         ("--out", str, "results directory"),
     ])

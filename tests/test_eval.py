@@ -36,7 +36,7 @@ def eval_out(tmp_path_factory):
     loss = eval_loss.main(data=data, ranks="2,8", methods="lora,lora_p", steps=3, eval_examples=8, batch_size=4,
                           out=str(root / "out"))
     serve = eval_serve.main(adapters=2, rank=8, variants="preft,base", num_prompts=6, input_len=16, output_len=4,
-                            out=str(root / "out"))
+                            rounds=2, out=str(root / "out"))
     return {"root": root, "out": root / "out", "data": data, "loss": loss, "serve": serve}
 
 
@@ -107,9 +107,11 @@ def test_eval_serve_drives_preft_serve_with_vllms_benchmark_client(eval_out):
     assert set(rows) == {"preft", "base"} and rows["preft"]["adapters"] == 2 and rows["base"]["adapters"] == 0
     assert all(row["request_rate"] == float("inf") for row in rows.values())
     for row in rows.values():  # vLLM's own numbers, from its result files
-        vllm_result = json.loads((eval_out["out"] / "serve" / row["result_file"]).read_text())
+        runs = [json.loads((eval_out["out"] / "serve" / f).read_text()) for f in row["result_files"]]
+        assert row["rounds"] == 2 and len(runs) == 2
         assert row["completed"] == 6 and row["failed"] == 0 and row["total_output_tokens"] == 6 * 4
-        assert row["output_throughput"] == vllm_result["output_throughput"] > 0
+        assert row["output_throughput"] == pytest.approx(sum(r["output_throughput"] for r in runs) / 2)
+        assert row["output_throughput"] > 0
         assert row["median_ttft_ms"] > 0 and row["request_goodput"] is not None
     table = (eval_out["out"] / "serve" / "serve.md").read_text()
     assert "vllm bench serve" in table and f"{rows['preft']['output_throughput']:.1f}" in table
@@ -123,7 +125,9 @@ def test_eval_report_gathers_the_results_and_draws_the_trade_off(eval_out, tmp_p
     points = results["tradeoff"]["points"]
     assert results["tradeoff"]["left_out"] == ["lora"]  # its all-token variant was not served
     assert {(p["method"], p["rank"]) for p in points} == {("lora_p", 2), ("lora_p", 8)}
-    ratio = rows["preft"]["output_throughput"] / rows["base"]["output_throughput"]
+    preft_runs, base_runs = ([json.loads((eval_out["out"] / "serve" / f).read_text())["output_throughput"]
+                              for f in rows[v]["result_files"]] for v in ("preft", "base"))
+    ratio = sum(p / b for p, b in zip(preft_runs, base_runs)) / 2  # the median of two per-round ratios
     assert all(p["throughput_vs_base"] == pytest.approx(ratio) for p in points)
     report = (eval_out["out"] / "report.md").read_text()
     assert "![trade-off](tradeoff.png)" in report and "Held-out loss by rank" in report and "vllm bench" in report
