@@ -95,8 +95,9 @@ def exact_match(model_path: str, adapter_dir: str, held_out) -> float | None:
     return sum(t.strip() == c.strip() for t, c in zip(texts, rows["completion"])) / len(rows)
 
 
-def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path) -> dict[str, Any]:
-    """Train (or reuse, or resume) one run; its metrics."""
+def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path, data) -> dict[str, Any]:
+    """Train (or reuse, or resume) one run; its metrics. ``data``: ``(train, held_out)``, read once
+    for the whole grid (every run of it trains on the same rows)."""
     from preft.recipes import sft
     from preft.recipes.common import resolve_resume
 
@@ -117,7 +118,7 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path)
         except ValueError:
             pass  # no complete checkpoint: train from the start
     summary = sft.main(config)
-    train_set, held_out = sft.build_datasets(config["data"])
+    train_set, held_out = data
     model_path = preft.DEFAULT_BASE_MODEL if config["model"] == "default" else config["model"]
     metrics = {"method": method, "rank": rank, "seed": seed, "steps": summary["steps"],
                "eval_loss": summary["final_eval_loss"], "initial_eval_loss": summary["initial_eval_loss"],
@@ -196,7 +197,7 @@ def main(model: str = "default", data: str | None = None, ranks: str = "1,4,16,6
     for index, (method, rank, seed) in enumerate(grid, 1):
         print(f"[eval loss {index}/{len(grid)}] {LABELS[method]} rank {rank} seed {seed} "
               f"({time.time() - started:.0f} s so far)", flush=True)
-        results.append(one_run(method, rank, seed, args, runs))
+        results.append(one_run(method, rank, seed, args, runs, (train_set, held_out)))
 
     source = data or "the synthetic personalisation task (preft.data.user_examples, user 0)"
     title = f"held-out loss by rank: {Path(model_path).name}, {Path(data).name if data else 'synthetic task'}"
