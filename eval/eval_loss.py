@@ -71,6 +71,8 @@ def run_config(method: str, rank: int, seed: int, args: dict[str, Any], run_dir:
                              per_device_train_batch_size=args["batch_size"])
     if args["learning_rate"] is not None:
         config["trainer"]["learning_rate"] = args["learning_rate"]
+    if args["lr_schedule"] is not None:
+        config["trainer"]["lr_scheduler_type"] = args["lr_schedule"]
     return config
 
 
@@ -101,7 +103,9 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path,
     from preft.recipes import sft
     from preft.recipes.common import resolve_resume
 
-    run_dir = runs / f"{method}-r{rank}-s{seed}"
+    from preft.eval.report import run_dir_for
+
+    run_dir = run_dir_for(runs, f"{method}-r{rank}-s{seed}", run_config(method, rank, seed, args, Path(".")))
     config = run_config(method, rank, seed, args, run_dir)
     summary_path, metrics_path = run_dir / "run_summary.json", run_dir / "eval_metrics.json"
     if summary_path.is_file() and metrics_path.is_file():
@@ -120,7 +124,7 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path,
     summary = sft.main(config)
     train_set, held_out = data
     model_path = preft.DEFAULT_BASE_MODEL if config["model"] == "default" else config["model"]
-    metrics = {"method": method, "rank": rank, "seed": seed, "steps": summary["steps"],
+    metrics = {"method": method, "rank": rank, "seed": seed, "run_dir": str(run_dir), "steps": summary["steps"],
                "eval_loss": summary["final_eval_loss"], "initial_eval_loss": summary["initial_eval_loss"],
                "exact_match": exact_match(model_path, summary["adapter_dir"], held_out),
                "train_rows": len(train_set), "held_out_rows": len(held_out), "wall_time_s": summary.get("wall_time_s")}
@@ -168,6 +172,7 @@ def plot(results: list[dict[str, Any]], methods: list[str], ranks: list[int], pa
 def main(model: str = "default", data: str | None = None, ranks: str = "1,4,16,64",
          methods: str = "lora,lora_p,loreft_p,direft_p", steps: int = 300, seeds: str = "0",
          eval_examples: int = 128, batch_size: int = 16, learning_rate: float | None = None,
+         lr_schedule: str | None = None,
          report_to: str = "none", out: str = "runs/eval") -> dict[str, Any]:
     from preft.recipes import sft
     from preft.recipes.common import resolve_model
@@ -180,8 +185,14 @@ def main(model: str = "default", data: str | None = None, ranks: str = "1,4,16,6
         raise ValueError(f"--methods: unknown method(s) {unknown} (choose from {', '.join(METHODS)})")
     if any(r < 1 for r in rank_list) or steps < 1 or eval_examples < 1 or batch_size < 1:
         raise ValueError("--ranks, --steps, --eval-examples and --batch-size must be >= 1")
+    if lr_schedule is not None:
+        from transformers import SchedulerType
+
+        schedules = [kind.value for kind in SchedulerType]
+        if lr_schedule not in schedules:
+            raise ValueError(f"--lr-schedule {lr_schedule!r} is not one of {', '.join(schedules)}")
     args = {"model": model, "data": data, "steps": steps, "eval_examples": eval_examples, "batch_size": batch_size,
-            "learning_rate": learning_rate, "report_to": report_to}
+            "learning_rate": learning_rate, "lr_schedule": lr_schedule, "report_to": report_to}
     # the data and the model are checked once, before any run: bad input costs no training
     from transformers import AutoConfig, AutoTokenizer
 
@@ -201,9 +212,13 @@ def main(model: str = "default", data: str | None = None, ranks: str = "1,4,16,6
 
     source = data or "the synthetic personalisation task (preft.data.user_examples, user 0)"
     title = f"held-out loss by rank: {Path(model_path).name}, {Path(data).name if data else 'synthetic task'}"
-    result = {"command": "preft eval loss " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in [("model", model), ("data", data), ("ranks", ranks),
-                                                     ("methods", methods), ("steps", steps), ("seeds", seeds)] if v),
+    from preft.eval.report import command_line
+
+    given = {"model": model, "data": data, "ranks": ranks, "methods": methods, "steps": steps, "seeds": seeds,
+             "eval_examples": eval_examples, "batch_size": batch_size, "learning_rate": learning_rate,
+             "lr_schedule": lr_schedule}
+    result = {"command": command_line("loss", main, given, always=("model", "ranks", "methods", "steps", "seeds")),
+              "learning_rate": learning_rate, "lr_schedule": lr_schedule, "batch_size": batch_size,
               "model": model, "data": source, "train_rows": len(train_set), "held_out_rows": len(held_out),
               "ranks": rank_list, "methods": method_list, "seeds": seed_list, "steps": steps,
               "runs": results, "wall_time_s": round(time.time() - started, 1)}
@@ -233,6 +248,8 @@ def add_arguments(parser) -> None:
         ("--eval-examples", int, "rows held out when the data has no validation split"),
         ("--batch-size", int, "per-device training batch size"),
         ("--learning-rate", float, "learning rate for every run (default: each method's recipe config)"),
+        ("--lr-schedule", str, "the trainer's lr_scheduler_type for every run, e.g. constant, linear, cosine "
+                               "(default: each method's recipe config)"),
         ("--report-to", str, "the trainer's report_to ('none', or 'wandb': offline unless WANDB_MODE says)"),
         ("--out", str, "results directory"),
     ])

@@ -50,7 +50,9 @@ def run_config(method: str, rank: int, seed: int, steps: int, batch: int, model:
 def one_run(method: str, rank: int, seed: int, steps: int, batch: int, model: str, runs: Path) -> dict[str, Any]:
     from preft.recipes import grpo
 
-    run_dir = runs / f"{method}-r{rank}-s{seed}"
+    from preft.eval.report import run_dir_for
+
+    run_dir = run_dir_for(runs, f"{method}-r{rank}-s{seed}", run_config(method, rank, seed, steps, batch, model, Path(".")))
     config = run_config(method, rank, seed, steps, batch, model, run_dir)
     summary_path = run_dir / "run_summary.json"
     if summary_path.is_file():

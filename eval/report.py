@@ -50,6 +50,25 @@ def publish(name: str, result: dict[str, Any], markdown: str) -> Path:
     return path
 
 
+def run_dir_for(runs: Path, name: str, config: dict[str, Any]) -> Path:
+    """``runs/NAME-DIGEST``: one directory per training setting (the digest is over the run's
+    config less its output directory), so a rerun with another learning rate, step count or data
+    file never reuses or resumes a run trained otherwise."""
+    import hashlib
+
+    settings = {k: v for k, v in config.items() if k not in ("output_dir", "resume_from_checkpoint")}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return runs / f"{name}-{digest}"
+
+
+def command_line(name: str, function, values: dict[str, Any], always: tuple[str, ...] = ()) -> str:
+    """``preft eval NAME --flag value ...`` for the arguments in ``always`` and every other one of
+    ``function``'s that differs from its default: the recorded command reruns the measurement."""
+    given = [(k, v) for k, v in values.items()
+             if v is not None and (k in always or v != default_of(function, k))]
+    return " ".join([f"preft eval {name}", *(f"--{k.replace('_', '-')} {v}" for k, v in given)])
+
+
 def default_of(function, name: str) -> Any:
     """The default of ``function``'s keyword ``name``: a benchmark's defaults live in its
     ``main()`` alone, and its command-line flags and recorded command read them from there."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -47,7 +48,8 @@ def test_eval_loss_trains_every_method_and_rank_on_the_users_file(eval_out):
     assert loss["train_rows"] == 40 and loss["held_out_rows"] == 8  # 48 rows, 8 held out
     for run in loss["runs"]:
         assert run["steps"] == 3 and run["eval_loss"] > 0 and 0.0 <= run["exact_match"] <= 1.0
-        summary = json.loads((out / "runs" / f"{run['method']}-r{run['rank']}-s0" / "run_summary.json").read_text())
+        assert Path(run["run_dir"]).parent == out / "runs"
+        summary = json.loads((Path(run["run_dir"]) / "run_summary.json").read_text())
         assert summary["final_eval_loss"] == run["eval_loss"]  # the table's number is the run's
         assert summary["config"]["data"]["path"] == eval_out["data"]
     by = {(r["method"], r["rank"]): r["eval_loss"] for r in loss["runs"]}
@@ -159,3 +161,11 @@ def test_eval_loss_reuses_finished_runs_and_retrains_when_an_input_changes(eval_
     changed = eval_loss.main(data=other, ranks="2", methods="lora_p", steps=3, eval_examples=8, batch_size=4,
                              out=str(eval_out["root"] / "out2"))
     assert changed["runs"][0]["eval_loss"] != again["runs"][0]["eval_loss"]
+    # another learning rate into the same directory: a run of its own, the first one left as it was
+    faster = eval_loss.main(data=eval_out["data"], ranks="2", methods="lora_p", steps=3, eval_examples=8,
+                            batch_size=4, learning_rate=0.05, out=str(eval_out["out"]))
+    assert "done before" not in capsys.readouterr().out and "--learning-rate 0.05" in faster["command"]
+    assert faster["runs"][0]["run_dir"] != again["runs"][0]["run_dir"]
+    assert faster["runs"][0]["eval_loss"] != again["runs"][0]["eval_loss"]
+    first = json.loads((Path(again["runs"][0]["run_dir"]) / "run_summary.json").read_text())
+    assert first["final_eval_loss"] == again["runs"][0]["eval_loss"]
