@@ -12,6 +12,8 @@ EVALS = {
     "rl": ("preft.eval.eval_rl", "GRPO reward curves and held-out accuracy: LoRA vs LoRA-P vs ReFT-P"),
     "serve": ("preft.eval.eval_serve", "online throughput, TTFT/TPOT and goodput with `vllm bench serve`: "
                                        "PreFT vs all-token vs base"),
+    "profile": ("preft.eval.eval_profile", "measure engine steps and fit the step cost model T(decodes, chunk, "
+                                           "context) that SLOWeave and the simulator use"),
     "soak": ("preft.eval.eval_soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
     "report": ("preft.eval.eval_report", "every eval result in one report, and the accuracy/throughput figure"),
 }

@@ -20,13 +20,22 @@ scheduling policies of the next issues subclass it.
   could not set up (:data:`~preft.constants.FAILED_REQUESTS_ATTR` on the step's output) is
   failed with that step's tokens dropped. Either way the client gets vLLM's error answer (HTTP
   500), the reason goes to the log, and every other request goes on.
+- **Prefill chunk policy** (:mod:`preft.serving.scheduling`, ``PREFT_SCHEDULER``, set by
+  ``preft serve --scheduler``): before each step the policy sees the step
+  (:class:`~preft.serving.scheduling.chunk_policies.StepView`: each decode's last-token time,
+  recorded here in ``update_from_output``; context and prefill tokens left) and returns the
+  step's prefill budget; ``_reserve_prefill_lookahead`` hands it out to prefill chunks in
+  vLLM's own order and never caps a decode. ``default`` leaves vLLM's scheduling untouched.
 - ``PREFT_TRACE_SCHEDULER=FILE`` appends, per step, how many running requests and distinct
-  LoRA adapters there are (used by the tests).
+  LoRA adapters there are (used by the tests); ``PREFT_STEP_TRACE=FILE`` one JSON line per step
+  with its shape and time (``preft eval profile`` fits the step cost model on it).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -38,6 +47,7 @@ from preft.rule import bundle_rule
 from preft.serving.bundle_store import served_copy_problem
 from preft.serving.patching import require
 from preft.serving.reft import reft_bundle_of, reft_slots
+from preft.serving.scheduling.chunk_policies import StepView, VllmDefault, policy_from_spec
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +63,12 @@ def bundle_problem(request) -> str | None:
         return served_copy_problem("lora", request.lora_request.lora_path)
     bundle = reft_bundle_of(getattr(request, "sampling_params", None))
     return served_copy_problem("reft", bundle) if bundle else None
+
+
+def _is_decode(request, num_computed_tokens: int) -> bool:
+    """Only the request's last token is left to compute: a decode (or a one-token final chunk,
+    which costs the same), never capped by a prefill budget."""
+    return num_computed_tokens >= request.num_tokens - 1
 
 
 def _decoding_without_adapter(request) -> bool:
@@ -71,6 +87,18 @@ class PreftScheduler(Scheduler):
         self.step_reft_bundles: set[str] = set()
         self.refused: dict[str, str] = {}  # request id -> why its adapter cannot be served (arrived so)
         self.failed_unreported: list = []  # requests failed since the last output was made
+        self.chunk_policy = policy_from_spec(envs.PREFT_SCHEDULER)
+        if getattr(self.chunk_policy, "max_chunk", 0) > self.max_num_scheduled_tokens:
+            logger.warning("preft: the %s scheduler's largest chunk %d is over the engine's token budget %d "
+                           "(--max-num-batched-tokens): chunks stop at the budget", self.chunk_policy.name,
+                           self.chunk_policy.max_chunk, self.max_num_scheduled_tokens)
+        self.step_prefill_budget: int | None = None  # what is left of it this step; None: vLLM's own only
+        self.step_budget_given: int | None = None
+        self.last_token_s: dict[str, float] = {}  # request id -> monotonic time of its latest token
+        self.step_started_s: float | None = None
+        self.last_output_s: float | None = None
+        self.step_trace = envs.PREFT_STEP_TRACE
+        logger.info("preft: prefill chunk policy %s", self.chunk_policy.name)
 
     def add_request(self, request) -> None:
         super().add_request(request)
@@ -89,6 +117,11 @@ class PreftScheduler(Scheduler):
             self.fail_requests(self.refused)
             self.refused = {}
         self.step_reft_bundles = set()
+        now = time.monotonic()
+        self.step_started_s = now
+        self.step_prefill_budget = (None if isinstance(self.chunk_policy, VllmDefault)
+                                    else self.chunk_policy.prefill_budget(self.step_view(now)))
+        self.step_budget_given = self.step_prefill_budget
         hidden = []
         if self.lora_config:
             for request in self.running:
@@ -107,7 +140,52 @@ class PreftScheduler(Scheduler):
                 handle.write(f"{len(self.running)} {len(adapters)}\n")
         return output
 
+    def step_view(self, now: float) -> StepView:
+        """What the chunk policy sees: running decodes (their last-token times), prefill left over
+        running and waiting requests (prefix-cache hits not yet known count as prefill)."""
+        last_times, context, first_pending, pending = [], 0, None, 0
+        for request in self.running:
+            if _is_decode(request, request.num_computed_tokens):
+                last_times.append(self.last_token_s.get(request.request_id, now))
+                context += request.num_computed_tokens
+            else:
+                pending += request.num_tokens - request.num_computed_tokens
+                first_pending = request.num_computed_tokens if first_pending is None else first_pending
+        for request in self.waiting:
+            pending += request.num_tokens - request.num_computed_tokens
+        return StepView(now=now, decode_last_token_times=tuple(last_times),
+                        context_tokens=context + (first_pending or 0), pending_prefill_tokens=pending)
+
+    def _record_step(self, scheduler_output, model_runner_output, now: float) -> None:
+        """Each request that got a token this step: its last-token time. With ``PREFT_STEP_TRACE``,
+        the step's shape and time (schedule start to output) and the gap before it."""
+        sampled = model_runner_output.sampled_token_ids
+        for request_id, index in model_runner_output.req_id_to_index.items():
+            if index < len(sampled) and sampled[index]:
+                self.last_token_s[request_id] = now
+        if len(self.last_token_s) > 2 * len(self.requests) + 64:  # forget finished requests
+            self.last_token_s = {k: v for k, v in self.last_token_s.items() if k in self.requests}
+        if not self.step_trace or self.step_started_s is None:
+            return
+        decodes = prefill = context = 0
+        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            computed_before = request.num_computed_tokens - scheduled  # vLLM advanced it at schedule time
+            context += computed_before
+            if scheduled == 1 and _is_decode(request, computed_before):
+                decodes += 1
+            else:
+                prefill += scheduled
+        gap = None if self.last_output_s is None else self.step_started_s - self.last_output_s
+        with open(self.step_trace, "a") as handle:
+            handle.write(json.dumps({"n": decodes, "c": prefill, "x": context,
+                                     "seconds": now - self.step_started_s, "gap_s": gap,
+                                     "budget": self.step_budget_given, "policy": self.chunk_policy.name}) + "\n")
+
     def update_from_output(self, scheduler_output, model_runner_output):
+        self._record_step(scheduler_output, model_runner_output, time.monotonic())
         # the worker's failures first: finished requests are skipped below, so their tokens are dropped
         failed = getattr(model_runner_output, FAILED_REQUESTS_ATTR, None)
         if failed:
@@ -118,10 +196,20 @@ class PreftScheduler(Scheduler):
                 EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                                  finish_reason=request.get_finished_reason(), trace_headers=request.trace_headers))
         self.failed_unreported = []
+        self.last_output_s = time.monotonic()
         return outputs
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        capped = self.step_prefill_budget is not None and not _is_decode(request, num_computed_tokens)
+        if capped:  # the chunk policy's budget for this step's prefill tokens
+            num_new_tokens = min(num_new_tokens, self.step_prefill_budget)
+        num_new_tokens = self._reft_slot_allows(request, num_computed_tokens, num_new_tokens)
+        if capped:
+            self.step_prefill_budget -= num_new_tokens
+        return num_new_tokens
+
+    def _reft_slot_allows(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         bundle = reft_bundle_of(getattr(request, "sampling_params", None))
         if not num_new_tokens or bundle is None or bundle in self.step_reft_bundles:
             return num_new_tokens

@@ -57,6 +57,10 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
         argv += ["--served-model-name", served_name]
     if args.lora_adapters:
         argv += ["--lora-modules", *args.lora_adapters]
+    if args.scheduler != "default" and not any(a.startswith("--max-num-batched-tokens") for a in args.vllm_args):
+        # the policy's chunk plus a decode token for every running request fit vLLM's token budget
+        largest = int(args.scheduler.split(":", 1)[1]) if args.scheduler.startswith("fixed:") else args.max_chunk
+        argv += ["--max-num-batched-tokens", str(largest + 256)]
     return argv + list(args.vllm_args)
 
 
@@ -77,11 +81,35 @@ def server_environment(args, base_dir: Path, reft_adapters: dict[str, str]) -> d
     env["PREFT_SERVE_LORA"] = json.dumps(dict(spec.split("=", 1) for spec in getattr(args, "lora_adapters", [])))
     env["PREFT_SERVE_BASE_NAME"] = args.served_model_name or ("base" if args.model == "default" else str(base_dir))
     env["PREFT_REFT_SLOTS"] = str(args.max_adapters)  # --max-adapters bounds ReFT-P bundles too
+    env["PREFT_SCHEDULER"] = json.dumps(scheduler_spec(args))
     if args.all_token:
         env["PREFT_ALL_TOKEN"] = "1"
     else:
         env.pop("PREFT_ALL_TOKEN", None)
     return env
+
+
+def scheduler_spec(args) -> dict:
+    """The prefill chunk policy for the engine (``PREFT_SCHEDULER``), checked now: a bad name, a
+    missing TPOT target or an unreadable cost model is one error line before the model loads."""
+    from preft.serving.scheduling.chunk_policies import policy_from_spec
+
+    spec = {"name": args.scheduler, "max_chunk": args.max_chunk}
+    if args.tpot_ms is not None:
+        spec["tpot_ms"] = args.tpot_ms
+    if args.cost_model:
+        spec["cost_model"] = str(Path(args.cost_model).resolve())
+    spec["margin_ms"] = args.margin_ms
+    if args.scheduler == "sloweave" and (args.tpot_ms is None or not args.cost_model):
+        raise ExportError("--scheduler sloweave needs --tpot-ms MS and --cost-model FILE (a step cost model of this "
+                          "machine and model: `preft eval profile --model M`)")
+    if args.scheduler != "sloweave" and (args.tpot_ms is not None or args.cost_model):
+        raise ExportError(f"--tpot-ms and --cost-model are SLOWeave's; --scheduler {args.scheduler} does not use them")
+    try:
+        policy_from_spec(spec)
+    except ValueError as err:
+        raise ExportError(f"--scheduler: {err}") from None
+    return spec
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -113,6 +141,7 @@ def serve(args) -> int:
     if args.max_rank < 1 or args.max_adapters < 1:
         raise ExportError("--max-rank and --max-adapters must be >= 1")
     vllm_lora_rank(args.max_rank)  # over vLLM's largest: refused now, not after the model loads
+    scheduler_spec(args)
     names = [spec.split("=", 1)[0] for spec in args.adapter if "=" in spec]
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
@@ -178,4 +207,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--state-dir", default=None, metavar="DIR",
                         help="where the server keeps its checked copies of the bundles it serves "
                              "(default: a new temporary directory)")
+    parser.add_argument("--scheduler", default="default",
+                        help="prefill chunk policy: 'default' (vLLM's), 'fixed:TOKENS' (at most TOKENS prefill tokens "
+                             "a step) or 'sloweave' (the largest chunk predicted to meet the earliest decode deadline; "
+                             "needs --tpot-ms and --cost-model)")
+    parser.add_argument("--tpot-ms", type=float, default=None, help="SLOWeave's time-per-output-token target (ms)")
+    parser.add_argument("--cost-model", default=None, metavar="FILE",
+                        help="SLOWeave's step cost model, from `preft eval profile` on this machine and model")
+    parser.add_argument("--max-chunk", type=int, default=2048,
+                        help="SLOWeave's largest prefill chunk (tokens; default 2048)")
+    parser.add_argument("--margin-ms", type=float, default=0.0,
+                        help="SLOWeave's safety margin on each predicted step time (ms; default 0)")
     parser.add_argument("vllm_args", nargs="*", help="after --: extra vLLM server arguments")

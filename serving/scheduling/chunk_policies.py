@@ -1,0 +1,96 @@
+"""How many prefill tokens one engine step may run: the policies SLOWeave is compared with.
+
+Every policy answers one question per step, from a :class:`StepView`::
+
+    prefill_budget(view) -> tokens      (0 = a decode-only step)
+
+Decodes are never capped: each running decode gets its one token, and the budget applies to the
+prefill chunk(s) only, handed out first come first served (running partial prefills, then
+waiting requests), exactly as vLLM's scheduler hands out its token budget. The simulator
+(:mod:`.simulator`) and the engine (:class:`preft.serving.scheduler.PreftScheduler`) ask the same
+objects.
+
+- :class:`VllmDefault`: no cap of its own (vLLM's ``max_num_batched_tokens`` alone; in the
+  simulator that budget minus the step's decodes).
+- :class:`FixedChunk`: at most ``C`` prefill tokens a step (Sarathi-style fixed budget).
+- :class:`preft.serving.scheduling.sloweave.SLOWeave`: the largest chunk predicted to meet the
+  earliest decode deadline.
+
+:func:`make_policy` builds one from its name (``default``, ``fixed:256``, ``sloweave``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+UNLIMITED = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepView:
+    """What a chunk policy sees at the start of one step (times in seconds, one clock)."""
+
+    now: float
+    decode_last_token_times: tuple[float, ...]  # one per request decoding this step
+    context_tokens: int  # KV already cached for the step's decodes and its first pending prefill
+    pending_prefill_tokens: int  # prefill tokens left, over every request still to prefill
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_last_token_times)
+
+
+class VllmDefault:
+    """vLLM's own chunked prefill: the step's token budget is the only limit."""
+
+    name = "default"
+
+    def prefill_budget(self, view: StepView) -> int:
+        return view.pending_prefill_tokens
+
+
+class FixedChunk:
+    """At most ``chunk`` prefill tokens per step, whatever the decodes' deadlines."""
+
+    def __init__(self, chunk: int) -> None:
+        if chunk < 1:
+            raise ValueError(f"a fixed prefill chunk must be >= 1 token, got {chunk}")
+        self.chunk = chunk
+        self.name = f"fixed:{chunk}"
+
+    def prefill_budget(self, view: StepView) -> int:
+        return min(self.chunk, view.pending_prefill_tokens)
+
+
+def make_policy(name: str, *, cost_model=None, tpot_s: float | None = None, max_chunk: int = 2048,
+                margin_s: float = 0.0):
+    """``default`` | ``fixed:C`` | ``sloweave`` (which needs ``cost_model`` and ``tpot_s``)."""
+    if name == "default":
+        return VllmDefault()
+    if name.startswith("fixed:"):
+        size = name.split(":", 1)[1]
+        if not size.isdigit():
+            raise ValueError(f"scheduler {name!r}: expected fixed:TOKENS, e.g. fixed:256")
+        return FixedChunk(int(size))
+    if name == "sloweave":
+        from preft.serving.scheduling.sloweave import SLOWeave
+
+        if cost_model is None or tpot_s is None:
+            raise ValueError("the sloweave scheduler needs a step cost model and a TPOT target")
+        return SLOWeave(cost_model, tpot_s=tpot_s, max_chunk=max_chunk, margin_s=margin_s)
+    raise ValueError(f"unknown scheduler {name!r} (choose from default, fixed:TOKENS, sloweave)")
+
+
+def policy_from_spec(spec: dict):
+    """The policy a JSON spec names: ``{"name": "sloweave", "tpot_ms": 25, "cost_model": FILE,
+    "max_chunk": 2048, "margin_ms": 0}`` (``preft serve --scheduler`` writes it)."""
+    from preft.serving.scheduling.cost_model import StepCostModel
+
+    unknown = set(spec) - {"name", "tpot_ms", "cost_model", "max_chunk", "margin_ms"}
+    if unknown:
+        raise ValueError(f"scheduler spec: unknown key(s) {sorted(unknown)}")
+    name = spec.get("name", "default")
+    cost_model = StepCostModel.load(spec["cost_model"]) if spec.get("cost_model") else None
+    tpot_s = spec["tpot_ms"] / 1e3 if spec.get("tpot_ms") is not None else None
+    return make_policy(name, cost_model=cost_model, tpot_s=tpot_s, max_chunk=int(spec.get("max_chunk", 2048)),
+                       margin_s=float(spec.get("margin_ms", 0.0)) / 1e3)

@@ -1,0 +1,62 @@
+"""SLOWeave: each step, the largest prefill chunk predicted to finish before the earliest decode
+deadline (arXiv 2609.07883).
+
+For every active decode ``i`` the next token is due at ``d_i = last_token_time_i + TPOT``.
+With ``n`` decodes in the step and ``x`` context tokens, the step's prefill chunk is
+
+    B  = max(0, min_i d_i - now)
+    c* = max { c <= min(C_max, remaining prefill) :  T(n, c, x) + margin <= B }
+
+found by binary search over ``c`` (``T`` is monotone in ``c``, :mod:`.cost_model`), so
+``O(log C_max)`` model calls a step. No decodes: the whole remaining prefill, up to ``C_max``.
+No chunk fits (even ``T(n, 1, x)`` misses): ``0``, a decode-only step. With an accurate
+monotone ``T`` the chunk meets every active deadline and is the largest that does; with a
+one-sided error no larger than ``margin`` it still meets them.
+
+The policy only sizes chunks; the simulator and :class:`preft.serving.scheduler.PreftScheduler`
+record the per-request last-token times it reads (:class:`.chunk_policies.StepView`).
+"""
+
+from __future__ import annotations
+
+from preft.serving.scheduling.chunk_policies import StepView
+from preft.serving.scheduling.cost_model import StepCostModel
+
+
+class SLOWeave:
+    """The SLOWeave chunk controller (see the module docstring). Times in seconds."""
+
+    def __init__(self, cost_model: StepCostModel, tpot_s: float, max_chunk: int = 2048, margin_s: float = 0.0) -> None:
+        if tpot_s <= 0 or max_chunk < 1 or margin_s < 0:
+            raise ValueError(f"SLOWeave needs tpot > 0, max_chunk >= 1 and margin >= 0 "
+                             f"(got {tpot_s}, {max_chunk}, {margin_s})")
+        self.cost_model, self.tpot_s, self.max_chunk, self.margin_s = cost_model, tpot_s, max_chunk, margin_s
+        self.name = "sloweave"
+        self.model_calls = 0  # over the policy's life: the O(log C_max) claim is checked by the tests
+
+    def budget_s(self, view: StepView) -> float:
+        """``B = max(0, min_i d_i - now)``."""
+        return max(0.0, min(view.decode_last_token_times) + self.tpot_s - view.now)
+
+    def prefill_budget(self, view: StepView) -> int:
+        upper = min(self.max_chunk, view.pending_prefill_tokens)
+        if upper <= 0:
+            return 0
+        if view.num_decodes == 0:
+            return upper
+        n, x, budget = view.num_decodes, view.context_tokens, self.budget_s(view)
+
+        def fits(chunk: int) -> bool:
+            self.model_calls += 1
+            return self.cost_model(n, chunk, x) + self.margin_s <= budget
+
+        if not fits(1):
+            return 0
+        low, high = 1, upper  # fits(low) holds; find the largest such c
+        while low < high:
+            middle = (low + high + 1) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle - 1
+        return low

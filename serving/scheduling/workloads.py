@@ -1,0 +1,128 @@
+"""Seeded serving workloads: arrival times, prompt and output lengths (and adapters, shared prefixes).
+
+One workload drives both the simulator (:mod:`.simulator`) and the real engine: :func:`write_trace`
+writes it as the JSON-lines trace that ``vllm bench serve --dataset-name timed_trace`` replays
+at the same arrival times (``timestamp`` seconds, ``input_length``, ``output_length``,
+``hash_ids``: one id per 16-token block of the prompt, so requests that share ids share a prefix).
+
+Kinds (lengths scaled to the model's context ``max_model_len``; prompt + output always fits):
+
+- ``chat``: short prompts (2-12% of the context), outputs of 16-96 tokens; Poisson arrivals.
+- ``long``: long prompts (40-80% of the context), short outputs; Poisson arrivals.
+- ``mixed``: 70% chat, 30% long; Poisson arrivals.
+- ``bursty``: the mixed lengths, arrivals on/off: Poisson at 3x the rate during "on" periods
+  (a third of the time), nothing in between, so the mean rate is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+KINDS = ("chat", "mixed", "long", "bursty")
+TRACE_BLOCK_TOKENS = 16  # vllm bench serve's timed_trace default --timed-trace-chunk-hash-size
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a workload."""
+
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    adapter: str | None = None
+    prefix_group: int | None = None  # requests of one group share their first prefix_tokens tokens
+    prefix_tokens: int = 0
+
+
+def _lengths(kind: str, rng: random.Random, max_model_len: int) -> tuple[int, int]:
+    def chat():
+        return rng.randint(max(2, max_model_len * 2 // 100), max(3, max_model_len * 12 // 100)), rng.randint(16, 96)
+
+    def long():
+        return rng.randint(max_model_len * 40 // 100, max_model_len * 80 // 100), rng.randint(8, 32)
+
+    if kind == "chat":
+        prompt, output = chat()
+    elif kind == "long":
+        prompt, output = long()
+    else:
+        prompt, output = chat() if rng.random() < 0.7 else long()
+    output = max(1, min(output, max_model_len - prompt - 1))
+    return prompt, output
+
+
+def _arrivals(kind: str, rng: random.Random, count: int, rate: float) -> list[float]:
+    times, now = [], 0.0
+    if kind != "bursty":
+        for _ in range(count):
+            now += rng.expovariate(rate)
+            times.append(now)
+        return times
+    period = 30.0 / rate  # about 30 requests per on/off cycle
+    on = period / 3
+    while len(times) < count:
+        now += rng.expovariate(3 * rate)
+        if now % period >= on:  # an "off" stretch: skip to the next "on"
+            now += period - now % period
+        times.append(now)
+    return times
+
+
+def generate(kind: str, count: int, rate: float, seed: int = 0, max_model_len: int = 512) -> list[RequestSpec]:
+    """``count`` requests of ``kind`` at a mean ``rate`` requests/s."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown workload {kind!r} (choose from {', '.join(KINDS)})")
+    if count < 1 or rate <= 0 or max_model_len < 64:
+        raise ValueError(f"a workload needs count >= 1, rate > 0 and max_model_len >= 64 "
+                         f"(got {count}, {rate}, {max_model_len})")
+    rng = random.Random(f"{kind}-{seed}")
+    arrivals = _arrivals(kind, rng, count, rate)
+    requests = []
+    for index, arrival in enumerate(arrivals):
+        prompt, output = _lengths(kind, rng, max_model_len)
+        requests.append(RequestSpec(f"{kind}-{seed}-{index}", round(arrival, 6), prompt, output))
+    return requests
+
+
+def write_trace(requests: list[RequestSpec], path: str | Path) -> Path:
+    """The workload as a ``timed_trace`` JSON-lines file (atomically: temporary file, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    next_id = 1 << 20  # unshared blocks get ids no prefix group uses
+    with os.fdopen(handle, "w") as out:
+        for request in requests:
+            blocks = -(-request.prompt_tokens // TRACE_BLOCK_TOKENS)
+            shared = request.prefix_tokens // TRACE_BLOCK_TOKENS if request.prefix_group is not None else 0
+            hash_ids = [request.prefix_group * 4096 + i for i in range(shared)]
+            hash_ids += list(range(next_id, next_id + blocks - shared))
+            next_id += blocks - shared
+            out.write(json.dumps({"timestamp": request.arrival_s, "input_length": request.prompt_tokens,
+                                  "output_length": request.output_tokens, "hash_ids": hash_ids,
+                                  "request": asdict(request)}) + "\n")
+    os.replace(temporary, path)
+    return path
+
+
+def read_trace(path: str | Path) -> list[RequestSpec]:
+    """A trace written by :func:`write_trace` (or any timed trace with those three fields)."""
+    requests = []
+    for index, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        if "request" in entry:
+            requests.append(RequestSpec(**entry["request"]))
+            continue
+        try:
+            requests.append(RequestSpec(str(index), float(entry["timestamp"]), int(entry["input_length"]),
+                                        int(entry["output_length"])))
+        except KeyError as err:
+            raise ValueError(f"{path}: line {index + 1} has no {err} field") from None
+    return requests
