@@ -14,6 +14,8 @@ EVALS = {
                                        "PreFT vs all-token vs base"),
     "profile": ("preft.eval.eval_profile", "measure engine steps and fit the step cost model T(decodes, chunk, "
                                            "context) that SLOWeave and the simulator use"),
+    "goodput": ("preft.eval.eval_goodput", "SLOWeave vs fixed prefill chunks and vLLM's default: goodput in the "
+                                           "simulator on four workloads and on the real engine, with the gap"),
     "soak": ("preft.eval.eval_soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
     "report": ("preft.eval.eval_report", "every eval result in one report, and the accuracy/throughput figure"),
 }

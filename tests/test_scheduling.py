@@ -146,7 +146,7 @@ def test_the_simulator_steps_one_request_exactly():
     cost = StepCostModel.synthetic()
     result = Simulator(cost, VllmDefault(), gap_s=0.001).run(one_request(100, 4, arrival=2.0))
     timing = result.timings[0]
-    assert timing.ttft_s == pytest.approx(cost(0, 100, 0) + 0.001)
+    assert timing.ttft_s == pytest.approx(cost(0, 100, 0))  # the token exists at the step's end
     contexts = [100, 101, 102]  # each decode reads the KV so far
     assert timing.finish_s - timing.first_token_s == pytest.approx(sum(cost(1, 0, x) + 0.001 for x in contexts))
     chunked = Simulator(cost, FixedChunk(32), gap_s=0.0, record_shapes=True).run(one_request(100, 1))

@@ -9,9 +9,10 @@ The engine it models is vLLM's continuous batching, step by step:
 3. Running requests are scheduled in admission order: a decode takes one token; a partial
    prefill takes what the token budget and the prefill budget leave. Waiting requests are then
    admitted while slots (``max_num_seqs``) and both budgets last.
-4. The step takes ``T(n_decodes, prefill_tokens, context_tokens) + gap_s`` (the cost model,
-   plus the engine's measured time between a step's output and the next schedule). At its
-   end every decode, and every prefill that completed its prompt, has one more token.
+4. The step takes ``T(n_decodes, prefill_tokens, context_tokens)`` (the cost model). At its
+   end every decode, and every prefill that completed its prompt, has one more token; the next
+   step is decided ``gap_s`` later (the engine's measured time between a step's output and the
+   next schedule, which the engine's SLOWeave also sees as time already gone).
 
 Between steps nothing happens, so the clock jumps from step to step (and to the next arrival
 when the engine is idle): 10k requests simulate in seconds. Not modelled: KV-cache capacity and
@@ -73,9 +74,11 @@ class Simulator:
         timings: list[RequestTiming] = []
         shapes: list[tuple[int, int, int]] = []
         now, steps = 0.0, 0
+        waiting_tokens = 0  # prompt tokens of the waiting queue, kept as it changes (no rescan per step)
         while arrivals or waiting or running:
             while arrivals and arrivals[0].arrival_s <= now:
                 waiting.append(arrivals.popleft())
+                waiting_tokens += waiting[-1].prompt_tokens
             if not waiting and not running:
                 now = arrivals[0].arrival_s
                 continue
@@ -83,7 +86,7 @@ class Simulator:
             pending = [r for r in running if r.prefilling]
             first_context = pending[0].computed if pending else 0
             pending_tokens = sum(r.spec.prompt_tokens - r.computed for r in pending)
-            pending_tokens += sum(w.prompt_tokens for w in waiting)
+            pending_tokens += waiting_tokens
             view = StepView(now=now, decode_last_token_times=tuple(r.last_token_s for r in decodes),
                             context_tokens=sum(r.computed for r in decodes) + first_context,
                             pending_prefill_tokens=pending_tokens)
@@ -107,6 +110,7 @@ class Simulator:
                     context += request.computed
             while waiting and len(running) < self.max_num_seqs and token_budget > 0 and prefill_budget > 0:
                 request = _Running(waiting.popleft())
+                waiting_tokens -= request.spec.prompt_tokens
                 running.append(request)
                 chunk = min(request.spec.prompt_tokens, token_budget, prefill_budget)
                 scheduled.append((request, chunk))
@@ -119,20 +123,21 @@ class Simulator:
             c = sum(tokens for request, tokens in scheduled if request.prefilling)
             if self.record_shapes:
                 shapes.append((n, c, context))
-            now += self.cost_model(n, c, context) + self.gap_s
+            end = now + self.cost_model(n, c, context)  # the step's tokens exist at its end
+            now = end + self.gap_s  # the next step is decided after the engine's gap
             steps += 1
             for request, tokens in scheduled:
                 request.computed += tokens
                 if request.prefilling:
                     continue
                 request.generated += 1
-                request.last_token_s = now
+                request.last_token_s = end
                 if request.first_token_s is None:
-                    request.first_token_s = now
+                    request.first_token_s = end
             still = []
             for request in running:
                 if request.generated >= request.spec.output_tokens:
-                    timings.append(RequestTiming(request.spec.arrival_s, request.first_token_s, now,
+                    timings.append(RequestTiming(request.spec.arrival_s, request.first_token_s, end,
                                                  request.generated))
                 else:
                     still.append(request)

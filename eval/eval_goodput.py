@@ -1,0 +1,423 @@
+"""`preft eval goodput`: SLOWeave against fixed prefill chunks and vLLM's default, in the
+simulator on four workloads and on the real engine, with the simulator's gap to the engine.
+
+    preft eval goodput [--model 512x8] [--cost-model FILE] [--workloads chat,mixed,long,bursty]
+                       [--policies default,fixed:64,fixed:256,fixed:1024,fixed:2048,sloweave]
+                       [--tpot-scales 2,5] [--loads 0.25,0.5,0.75,1,1.25] [--requests 2000]
+                       [--engine-policies default,fixed:64,fixed:256,sloweave] [--engine-workload mixed]
+                       [--engine-load 0.75] [--engine-requests 300] [--out runs/eval]
+
+**Scaled to this machine.** The step cost model is this machine's (``--cost-model``, or
+``preft eval profile`` is run first). For each workload:
+
+- its capacity is the highest request rate vLLM's default policy sustains in the simulator
+  (the last request finishes within 1/0.95 of the arrivals' span: served >= 95% of the offered
+  rate; found by bisection), and the loads are fractions of it;
+- its TPOT targets are ``--tpot-scales`` times the decode step at the workload's batch size
+  (``T(n, 0, x) + gap`` at the median decodes ``n`` and context ``x`` per step of the default
+  policy at 75% load); its TTFT target is ten times the step that prefills its p95 prompt alone.
+
+**Simulator**: every (workload, TPOT target, load, policy) through
+:class:`~preft.serving.scheduling.simulator.Simulator`, the same policy objects the engine runs.
+Goodput-vs-load curves in ``goodput_sim.png``.
+
+**Engine**: the ``--engine-workload`` at ``--engine-load`` as a ``timed_trace`` file, replayed
+by ``vllm bench serve`` at its arrival times against ``preft serve --scheduler P`` for each
+``--engine-policies`` (SLOWeave at the first TPOT target), with the scheduler's step trace on.
+The same trace goes through the simulator twice: with the profiled cost model, and with one
+refitted on the steps the served engines recorded (``in-situ``: the API server and the load
+generator share the 2 cores with the engine). The gap between engine and simulator goodput is
+reported per policy, and whether the policies rank the same.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CAPACITY_SERVED = 0.95
+
+
+def _parse(text: str, kind, name: str) -> list:
+    from preft.eval.eval_loss import parse_list
+
+    return parse_list(str(text), kind, name)
+
+
+def simulate(cost_model, policy_name: str, work, settings: dict, tpot_s: float, record: bool = False):
+    from preft.serving.scheduling.chunk_policies import make_policy
+    from preft.serving.scheduling.simulator import Simulator
+
+    policy = make_policy(policy_name, cost_model=cost_model, tpot_s=tpot_s, max_chunk=settings["max_chunk"])
+    return Simulator(cost_model, policy, max_num_seqs=settings["max_num_seqs"],
+                     max_num_batched_tokens=settings["max_num_batched_tokens"], record_shapes=record).run(work)
+
+
+def capacity(cost_model, kind: str, settings: dict) -> float:
+    """The highest rate (req/s) vLLM's default policy serves in the simulator (see the module docstring)."""
+    from preft.serving.scheduling import workloads
+
+    def sustained(rate: float) -> bool:
+        work = workloads.generate(kind, settings["probe_requests"], rate, seed=99, max_model_len=settings["max_len"])
+        result = simulate(cost_model, "default", work, settings, tpot_s=1.0)
+        offered = work[-1].arrival_s - work[0].arrival_s  # the sample's own rate, not the nominal one
+        return result.clock_s - work[0].arrival_s <= offered / CAPACITY_SERVED
+
+    low, high = 0.0, 1.0
+    while sustained(high):
+        low, high = high, high * 2
+    for _ in range(12):
+        middle = (low + high) / 2
+        low, high = (middle, high) if sustained(middle) else (low, middle)
+    return low
+
+
+def targets(cost_model, kind: str, rate: float, settings: dict) -> dict[str, float]:
+    """The workload's decode step at its batch size, and its TTFT target (seconds)."""
+    from preft.serving.scheduling import workloads
+    from preft.serving.scheduling.metrics import percentile
+
+    work = workloads.generate(kind, settings["probe_requests"], 0.75 * rate, seed=98, max_model_len=settings["max_len"])
+    shapes = [s for s in simulate(cost_model, "default", work, settings, 1.0, record=True).step_shapes if s[0] > 0]
+    n = statistics.median(s[0] for s in shapes)
+    x = statistics.median(s[2] for s in shapes)
+    decode_step = cost_model(round(n), 0, round(x)) + cost_model.meta.get("gap_s", 0.0)
+    p95_prompt = percentile([r.prompt_tokens for r in work], 95)
+    return {"decode_step_s": decode_step, "batch": n, "context": x,
+            "ttft_s": 10 * (cost_model(0, round(p95_prompt), 0) + cost_model.meta.get("gap_s", 0.0))}
+
+
+def run_simulations(cost_model, settings: dict) -> list[dict]:
+    from preft.serving.scheduling import workloads
+
+    rows = []
+    for kind in settings["workloads"]:
+        rate0 = capacity(cost_model, kind, settings)
+        scale = targets(cost_model, kind, rate0, settings)
+        print(f"[goodput] {kind}: capacity {rate0:.1f} req/s, decode step {1e3 * scale['decode_step_s']:.2f} ms "
+              f"at {scale['batch']:.0f} decodes, TTFT target {1e3 * scale['ttft_s']:.0f} ms", flush=True)
+        for tpot_scale in settings["tpot_scales"]:
+            tpot = tpot_scale * scale["decode_step_s"]
+            for load in settings["loads"]:
+                work = workloads.generate(kind, settings["requests"], load * rate0, seed=0,
+                                          max_model_len=settings["max_len"])
+                for policy in settings["policies"]:
+                    started = time.perf_counter()
+                    result = simulate(cost_model, policy, work, settings, tpot)
+                    summary = result.summary(scale["ttft_s"], tpot)
+                    rows.append({"workload": kind, "tpot_scale": tpot_scale, "load": load, "rate": load * rate0,
+                                 "capacity": rate0, "policy": policy, "simulated_s": time.perf_counter() - started,
+                                 **scale, **summary})
+    return rows
+
+
+def engine_runs(cost_model, cost_model_path: Path, model_dir: str, settings: dict, out: Path) -> dict[str, Any]:
+    """Every engine policy on one trace through ``preft serve`` + ``vllm bench serve`` (module docstring)."""
+    from preft.eval.eval_serve import warm_up
+    from preft.serving.scheduling import workloads
+    from preft.serving.scheduling.metrics import RequestTiming, summarize
+    from preft.serving.server_process import start_server, stop_server
+
+    kind = settings["engine_workload"]
+    rate0 = capacity(cost_model, kind, settings)
+    scale = targets(cost_model, kind, rate0, settings)
+    tpot = settings["tpot_scales"][0] * scale["decode_step_s"]
+    rate = settings["engine_load"] * rate0
+    work = workloads.generate(kind, settings["engine_requests"], rate, seed=1, max_model_len=settings["max_len"])
+    engine_dir = out / "engine"
+    (engine_dir / "logs").mkdir(parents=True, exist_ok=True)
+    trace = workloads.write_trace(work, engine_dir / f"{kind}.trace.jsonl")
+    served = {}
+    for policy in settings["engine_policies"]:
+        label = policy.replace(":", "")
+        step_trace = engine_dir / f"steps-{label}.jsonl"
+        step_trace.unlink(missing_ok=True)
+        args = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(settings["max_len"]),
+                "--scheduler", policy, "--kv-cache-gib", "1"]
+        if policy == "sloweave":
+            args += ["--tpot-ms", f"{1e3 * tpot:.3f}", "--cost-model", str(cost_model_path),
+                     "--max-chunk", str(settings["max_chunk"])]
+        args += ["--", "--max-num-seqs", str(settings["max_num_seqs"]),
+                 "--max-num-batched-tokens", str(settings["max_num_batched_tokens"])]
+        print(f"[goodput] engine: {policy} on {len(work)} {kind} requests at {rate:.1f} req/s", flush=True)
+        proc, url, _ = start_server(args, engine_dir / "logs" / f"server-{label}.log",
+                                    env={"PREFT_STEP_TRACE": str(step_trace)})
+        try:
+            warm_up(url, [model_dir], rounds=2)
+            step_trace.unlink(missing_ok=True)  # the warm-up's steps are not the run's
+            result_name = f"bench-{label}.json"
+            command = [sys.executable, "-m", "preft.eval.vllm_bench", "serve", "--backend", "openai",
+                       "--base-url", url, "--endpoint", "/v1/completions", "--model", model_dir,
+                       "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path", str(trace),
+                       "--num-prompts", str(len(work)), "--save-result", "--save-detailed",
+                       "--result-dir", str(engine_dir), "--result-filename", result_name, "--disable-tqdm",
+                       "--percentile-metrics", "ttft,tpot,itl,e2el"]
+            with open(engine_dir / "logs" / f"bench-{label}.log", "w") as log:
+                done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
+            if done.returncode != 0:
+                raise RuntimeError(f"vllm bench serve failed; see {engine_dir / 'logs' / f'bench-{label}.log'}")
+        finally:
+            stop_server(proc)
+        bench = json.loads((engine_dir / result_name).read_text())
+        timings = [RequestTiming(start, start + ttft, start + ttft + sum(itl), length)
+                   for start, ttft, itl, length in zip(bench["start_times"], bench["ttfts"], bench["itls"],
+                                                       bench["output_lens"]) if ttft is not None and ttft > 0]
+        steps = [json.loads(line) for line in step_trace.read_text().splitlines()] if step_trace.exists() else []
+        served[policy] = {"summary": summarize(timings, scale["ttft_s"], tpot), "failed": len(work) - len(timings),
+                          "timings": timings, "steps": steps}
+    return {"workload": kind, "capacity": rate0, "rate": rate, "tpot_s": tpot, "trace": str(trace), "work": work,
+            **scale, "served": served}
+
+
+def fidelity(cost_model, engine: dict[str, Any], settings: dict) -> dict[str, Any]:
+    """The engine's runs beside the simulator's on the same trace: profiled and in-situ cost models."""
+    from preft.serving.scheduling.cost_model import StepCostModel
+    from preft.serving.scheduling.metrics import percentile
+
+    steps = [s for run in engine["served"].values() for s in run["steps"] if s.get("seconds")]
+    gaps = [s["gap_s"] for s in steps if s.get("gap_s") is not None]
+    in_situ = StepCostModel.fit([(s["n"], s["c"], s["x"]) for s in steps], [s["seconds"] for s in steps],
+                                source="in-situ (served steps)",
+                                meta={"gap_s": statistics.median(gaps) if gaps else 0.0, "steps": len(steps)})
+    rows = []
+    for policy, run in engine["served"].items():
+        row = {"policy": policy, "engine": run["summary"], "failed": run["failed"]}
+        for label, model in (("profiled", cost_model), ("in_situ", in_situ)):
+            simulated = simulate(model, policy, engine["work"], settings, engine["tpot_s"])
+            row[label] = simulated.summary(engine["ttft_s"], engine["tpot_s"])
+            row[f"{label}_ttft_ms"] = sorted(1e3 * t.ttft_s for t in simulated.timings)
+            row[f"{label}_tpot_ms"] = sorted(1e3 * t.tpot_s for t in simulated.timings if t.tpot_s is not None)
+        row["engine_ttft_ms"] = sorted(1e3 * t.ttft_s for t in run["timings"])
+        row["engine_tpot_ms"] = sorted(1e3 * t.tpot_s for t in run["timings"] if t.tpot_s is not None)
+        for label in ("profiled", "in_situ"):
+            engine_goodput = run["summary"]["goodput"]
+            row[f"{label}_goodput_gap"] = ((row[label]["goodput"] - engine_goodput) / engine_goodput
+                                           if engine_goodput else None)
+        served_steps = [s for s in run["steps"] if s.get("seconds")]
+        errors = in_situ.relative_errors([(s["n"], s["c"], s["x"]) for s in served_steps],
+                                         [s["seconds"] for s in served_steps])
+        profiled_errors = cost_model.relative_errors([(s["n"], s["c"], s["x"]) for s in served_steps],
+                                                     [s["seconds"] for s in served_steps])
+        row["step_error"] = {"profiled_median": statistics.median(profiled_errors) if profiled_errors else None,
+                             "profiled_p95": percentile(profiled_errors, 95),
+                             "in_situ_median": statistics.median(errors) if errors else None,
+                             "measured_median_ms": 1e3 * statistics.median(s["seconds"] for s in served_steps)
+                             if served_steps else None}
+        rows.append(row)
+
+    def ranking(key):
+        return [r["policy"] for r in sorted(rows, key=lambda r: -(r[key]["goodput"]))]
+
+    return {"rows": rows, "in_situ_cost_model": in_situ.to_json(),
+            "ranking": {"engine": ranking("engine"), "profiled": ranking("profiled"), "in_situ": ranking("in_situ")}}
+
+
+def plot_simulation(rows: list[dict], settings: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds, scales = settings["workloads"], settings["tpot_scales"]
+    fig, axes = plt.subplots(len(scales), len(kinds), figsize=(3.4 * len(kinds), 3.0 * len(scales)), squeeze=False)
+    for i, scale in enumerate(scales):
+        for j, kind in enumerate(kinds):
+            ax = axes[i][j]
+            for policy in settings["policies"]:
+                chosen = [r for r in rows if r["workload"] == kind and r["tpot_scale"] == scale and r["policy"] == policy]
+                ax.plot([r["load"] for r in chosen], [r["goodput"] for r in chosen], marker="o", markersize=3,
+                        label=policy, linewidth=2.2 if policy == "sloweave" else 1.2,
+                        color="black" if policy == "sloweave" else None)
+            tpot = next(r for r in rows if r["workload"] == kind and r["tpot_scale"] == scale)
+            ax.set_title(f"{kind}, TPOT {scale:g}x decode step ({1e3 * scale * tpot['decode_step_s']:.1f} ms)",
+                         fontsize=8)
+            ax.set_xlabel("load (fraction of capacity)", fontsize=8)
+            ax.set_ylabel("goodput (req/s)", fontsize=8)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_fidelity(fid: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = fid["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    labels = [r["policy"] for r in rows]
+    width = 0.27
+    for offset, (key, name) in enumerate((("engine", "engine"), ("profiled", "simulator, profiled model"),
+                                          ("in_situ", "simulator, in-situ model"))):
+        axes[0].bar([k + (offset - 1) * width for k in range(len(rows))], [r[key]["goodput"] for r in rows],
+                    width, label=name)
+    axes[0].set_xticks(range(len(rows)), labels, fontsize=8)
+    axes[0].set_ylabel("goodput (req/s)")
+    axes[0].legend(fontsize=7)
+    for ax, metric in ((axes[1], "ttft_ms"), (axes[2], "tpot_ms")):
+        for r, colour in zip(rows, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+            for key, style in (("engine", "-"), ("in_situ", "--")):
+                values = r[f"{key}_{metric}"]
+                if values:
+                    ax.plot(values, [(k + 1) / len(values) for k in range(len(values))], style, color=colour,
+                            label=f"{r['policy']} ({'engine' if key == 'engine' else 'sim'})", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel(metric.replace("_ms", " (ms)").upper())
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    axes[2].legend(fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def simulation_table(rows: list[dict], settings: dict, load: float) -> str:
+    lines = ["| workload | TPOT target | " + " | ".join(settings["policies"]) + " | SLOWeave vs the best other |",
+             "|---|---|" + "---|" * (len(settings["policies"]) + 1)]
+    for kind in settings["workloads"]:
+        for scale in settings["tpot_scales"]:
+            chosen = {r["policy"]: r for r in rows if r["workload"] == kind and r["tpot_scale"] == scale
+                      and r["load"] == load}
+            cells = [f"{chosen[p]['goodput']:.2f} ({chosen[p]['slo_attainment']:.0%})" for p in settings["policies"]]
+            fixed = [chosen[p]["goodput"] for p in settings["policies"] if p.startswith("fixed:") or p == "default"]
+            ratio = (f"{chosen['sloweave']['goodput'] / max(fixed):.2f}x" if "sloweave" in chosen and max(fixed)
+                     else "-")
+            tpot_ms = 1e3 * scale * next(iter(chosen.values()))["decode_step_s"]
+            lines.append(f"| {kind} | {scale:g}x = {tpot_ms:.1f} ms | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def fidelity_table(fid: dict) -> str:
+    lines = ["| policy | goodput engine / sim profiled / sim in-situ (req/s) | gap (profiled, in-situ) | "
+             "TTFT p50 / p99 engine vs in-situ (ms) | TPOT p50 / p99 engine vs in-situ (ms) | step time: median "
+             "measured, profiled model error |", "|---|---|---|---|---|---|"]
+    for r in fid["rows"]:
+        e, p, s = r["engine"], r["profiled"], r["in_situ"]
+
+        def gap(key):
+            return f"{r[key]:+.0%}" if r[key] is not None else "-"
+
+        step = r["step_error"]
+        lines.append(f"| {r['policy']} | {e['goodput']:.2f} / {p['goodput']:.2f} / {s['goodput']:.2f} | "
+                     f"{gap('profiled_goodput_gap')}, {gap('in_situ_goodput_gap')} | "
+                     f"{e['ttft_ms_p50']:.0f} / {e['ttft_ms_p99']:.0f} vs {s['ttft_ms_p50']:.0f} / {s['ttft_ms_p99']:.0f} | "
+                     f"{e['tpot_ms_p50']:.1f} / {e['tpot_ms_p99']:.1f} vs {s['tpot_ms_p50']:.1f} / {s['tpot_ms_p99']:.1f} | "
+                     f"{step['measured_median_ms'] or 0:.1f} ms, {100 * (step['profiled_median'] or 0):.0f}% |")
+    ranks = fid["ranking"]
+    lines.append("")
+    lines.append(f"Ranking by goodput: engine {ranks['engine']}; simulator (profiled) {ranks['profiled']}; "
+                 f"simulator (in-situ) {ranks['in_situ']}.")
+    return "\n".join(lines)
+
+
+def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "chat,mixed,long,bursty",
+         policies: str = "default,fixed:64,fixed:256,fixed:1024,fixed:2048,sloweave", tpot_scales: str = "2,5",
+         loads: str = "0.25,0.5,0.75,1,1.25", requests: int = 2000, max_num_seqs: int = 64,
+         engine_policies: str = "default,fixed:64,fixed:256,sloweave", engine_workload: str = "mixed",
+         engine_load: float = 0.75, engine_requests: int = 300, out: str = "runs/eval") -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from preft.eval import eval_profile
+    from preft.eval.report import command_line
+    from preft.serving.scheduling import workloads as workload_module
+    from preft.serving.scheduling.chunk_policies import make_policy
+    from preft.serving.scheduling.cost_model import StepCostModel
+
+    import inspect
+
+    arguments = dict(locals())
+    values = {name: arguments[name] for name in inspect.signature(main).parameters}
+    started = time.time()
+    settings = {"workloads": _parse(workloads, str, "workloads"), "policies": _parse(policies, str, "policies"),
+                "tpot_scales": _parse(tpot_scales, float, "tpot-scales"), "loads": _parse(loads, float, "loads"),
+                "engine_policies": _parse(engine_policies, str, "engine-policies") if engine_policies else [],
+                "requests": requests, "engine_requests": engine_requests, "engine_workload": engine_workload,
+                "engine_load": engine_load, "max_num_seqs": max_num_seqs, "probe_requests": min(requests, 1000)}
+    for kind in settings["workloads"] + [engine_workload]:
+        if kind not in workload_module.KINDS:
+            raise ValueError(f"unknown workload {kind!r} (choose from {', '.join(workload_module.KINDS)})")
+    for name in settings["policies"] + settings["engine_policies"]:
+        make_policy(name, cost_model=StepCostModel.synthetic(), tpot_s=1.0)  # a bad name fails here
+    if requests < 10 or engine_requests < 1 or not settings["loads"] or min(settings["loads"]) <= 0:
+        raise ValueError("--requests must be >= 10, --engine-requests >= 1 and every --loads > 0")
+    goodput_dir = Path(out) / "goodput"
+    goodput_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = eval_profile._model_dir(model, Path(out) / "profile")
+    if cost_model is None:
+        name = model if model in ("default", "512x8") else Path(model_dir).name
+        cost_model = str(Path(out) / "profile" / f"cost_model_{name}.json")
+        if not Path(cost_model).is_file():
+            print(f"[goodput] no cost model for {model} yet: profiling it first", flush=True)
+            eval_profile.main(model=model, out=out)
+    model_cost = StepCostModel.load(cost_model)
+    settings["max_len"] = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    settings["max_chunk"] = 2048
+    settings["max_num_batched_tokens"] = 2048 + 256
+
+    rows = run_simulations(model_cost, settings)
+    result: dict[str, Any] = {"command": command_line("goodput", main, values, always=("model",)), "model": model,
+                              "cost_model": cost_model, "cost_model_weights": model_cost.weights,
+                              "machine": eval_profile._machine(), "settings": settings, "simulation": rows}
+    load_shown = min(settings["loads"], key=lambda load: abs(load - 0.75))
+    markdown = [f"## Goodput: SLOWeave vs fixed prefill chunks (`preft eval goodput`)\n",
+                f"![simulated goodput](results/goodput_sim.png)\n",
+                f"Command: `{result['command']}` ({result['machine']}); cost model `{Path(cost_model).name}`. "
+                f"Simulator, {requests} requests per point; goodput in requests/s meeting both targets (SLO attainment "
+                f"in brackets) at {load_shown:g} of each workload's capacity. TPOT targets are multiples of the "
+                f"workload's decode step at its batch size; TTFT target 10x the step that prefills its p95 prompt.\n",
+                simulation_table(rows, settings, load_shown), ""]
+    plot_simulation(rows, settings, goodput_dir / "goodput_sim.png",
+                    f"simulated goodput vs load, {model} cost model ({Path(cost_model).name})")
+    if settings["engine_policies"]:
+        engine = engine_runs(model_cost, Path(cost_model), model_dir, settings, goodput_dir)
+        fid = fidelity(model_cost, engine, settings)
+        plot_fidelity(fid, goodput_dir / "goodput_engine.png",
+                      f"{engine['workload']} at {engine['rate']:.1f} req/s on the real engine vs the simulator")
+        result["engine"] = {k: v for k, v in engine.items() if k not in ("work", "served")}
+        result["fidelity"] = {**fid, "rows": [{k: v for k, v in r.items() if not k.endswith("_ms")}
+                                              for r in fid["rows"]]}
+        markdown += [f"### Real engine vs simulator: {engine['workload']}, {len(engine['work'])} requests at "
+                     f"{engine['rate']:.1f} req/s ({engine_load:g} of capacity)\n",
+                     f"![engine vs simulator](results/goodput_engine.png)\n",
+                     f"`preft serve --scheduler P` driven by `vllm bench serve --dataset-name timed_trace` at the "
+                     f"trace's arrival times; SLOWeave at TPOT {1e3 * engine['tpot_s']:.1f} ms (the first target), "
+                     f"TTFT target {1e3 * engine['ttft_s']:.0f} ms. The simulator replays the same trace with the "
+                     f"profiled cost model and with one refitted on the served engines' own steps (in-situ).\n",
+                     fidelity_table(fid), ""]
+    result["wall_time_s"] = round(time.time() - started, 1)
+    (goodput_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    text = "\n".join(markdown)
+    (goodput_dir / "goodput.md").write_text(text)
+    print(text)
+    print(f"written: {goodput_dir / 'results.json'}, {goodput_dir / 'goodput.md'}, {goodput_dir / 'goodput_sim.png'}")
+    return result
+
+
+def add_arguments(parser) -> None:
+    from preft.eval.report import add_flags
+
+    add_flags(parser, main, [
+        ("--model", str, "base model: '512x8' (a random-init 27M Llama built here), 'default' or a local directory"),
+        ("--cost-model", str, "step cost model JSON (default: OUT/profile/cost_model_MODEL.json, profiled if missing)"),
+        ("--workloads", str, "comma-separated, of chat, mixed, long, bursty (simulator)"),
+        ("--policies", str, "comma-separated prefill chunk policies (simulator)"),
+        ("--tpot-scales", str, "TPOT targets as multiples of the decode step at the workload's batch size"),
+        ("--loads", str, "request rates as fractions of each workload's capacity"),
+        ("--requests", int, "requests per simulated point"),
+        ("--max-num-seqs", int, "the engine's (and simulator's) running-request limit"),
+        ("--engine-policies", str, "policies run on the real engine ('' for none)"),
+        ("--engine-workload", str, "the workload run on the real engine"),
+        ("--engine-load", float, "its rate as a fraction of capacity"),
+        ("--engine-requests", int, "requests in the engine's trace"),
+        ("--out", str, "results directory"),
+    ])

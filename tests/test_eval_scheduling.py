@@ -1,0 +1,64 @@
+"""`preft eval profile` and `preft eval goodput` in tiny configurations, on the real engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from preft.eval import eval_goodput, eval_profile
+from preft.serving.scheduling.cost_model import StepCostModel
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    return out, eval_profile.main(model="default", decodes="0,2,6", chunks="16,64,256", repeats=1, out=str(out))
+
+
+@pytest.mark.slow
+def test_profile_fits_a_monotone_cost_model_on_measured_steps(profile):
+    out, result = profile
+    model = StepCostModel.load(result["cost_model_path"])
+    steps = json.loads((out / "profile" / "steps_default.json").read_text())
+    assert len(steps) == result["steps"] > 30
+    # the grid was run: every decode count and chunk size appears among the measured shapes
+    assert {s["n"] for s in steps} >= {0, 2, 6} and {s["c"] for s in steps} >= {0, 16, 64, 256}
+    assert all(s["seconds"] > 0 for s in steps) and any(s["held_out"] for s in steps)
+    assert result["median_relative_error"] >= 0 and result["p95_relative_error"] >= result["median_relative_error"]
+    values = [model(2, c, 200) for c in range(0, 512, 16)]
+    assert all(b >= a for a, b in zip(values, values[1:]))
+    assert model(0, 256, 0) > model(0, 16, 0)  # a bigger prefill costs more on the real engine
+    assert (out / "profile" / "profile_default.png").stat().st_size > 1000
+    assert "held-out" in (out / "profile" / "profile_default.md").read_text()
+
+
+@pytest.mark.slow
+def test_goodput_runs_the_simulator_and_the_real_engine_side_by_side(profile, tmp_path):
+    out, profiled = profile
+    result = eval_goodput.main(model="default", cost_model=profiled["cost_model_path"], workloads="chat,long",
+                               policies="default,fixed:16,sloweave", tpot_scales="2", loads="0.5,1.5", requests=60,
+                               engine_policies="fixed:16,sloweave", engine_workload="mixed", engine_load=0.5,
+                               engine_requests=24, out=str(tmp_path))
+    rows = result["simulation"]
+    assert {(r["workload"], r["load"], r["policy"]) for r in rows} == {
+        (w, l, p) for w in ("chat", "long") for l in (0.5, 1.5) for p in ("default", "fixed:16", "sloweave")}
+    for r in rows:
+        assert r["requests"] == 60 and 0 <= r["slo_attainment"] <= 1 and r["goodput"] <= r["request_throughput"] + 1e-9
+    # load matters: past capacity the default policy's TTFT grows
+    ttft = {r["load"]: r["ttft_ms_p50"] for r in rows if r["workload"] == "long" and r["policy"] == "default"}
+    assert ttft[1.5] > ttft[0.5]
+    fidelity = {r["policy"]: r for r in result["fidelity"]["rows"]}
+    assert set(fidelity) == {"fixed:16", "sloweave"}
+    for policy, row in fidelity.items():
+        assert row["failed"] == 0 and row["engine"]["requests"] == 24  # every request answered by the real server
+        assert row["profiled"]["requests"] == row["in_situ"]["requests"] == 24
+        assert row["step_error"]["measured_median_ms"] > 0
+    steps = [json.loads(line) for line in (tmp_path / "goodput" / "engine" / "steps-fixed16.jsonl").read_text().splitlines()]
+    assert steps and max(s["c"] for s in steps) <= 16 and all(s["policy"] == "fixed:16" for s in steps)
+    weave = [json.loads(line) for line in (tmp_path / "goodput" / "engine" / "steps-sloweave.jsonl").read_text().splitlines()]
+    assert all(s["policy"] == "sloweave" and s["c"] <= s["budget"] for s in weave)
+    markdown = (tmp_path / "goodput" / "goodput.md").read_text()
+    assert "| chat |" in markdown and "Ranking by goodput" in markdown
+    for figure in ("goodput_sim.png", "goodput_engine.png"):
+        assert (tmp_path / "goodput" / figure).stat().st_size > 1000
