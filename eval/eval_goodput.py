@@ -5,10 +5,11 @@ simulator on four workloads and on the real engine, with the simulator's gap to 
                        [--policies default,fixed:64,fixed:256,fixed:1024,fixed:2048,sloweave]
                        [--tpot-scales 2,5] [--loads 0.25,0.5,0.75,1,1.25] [--requests 2000]
                        [--engine-policies default,fixed:64,fixed:256,sloweave] [--engine-workload mixed]
-                       [--engine-load 0.75] [--engine-requests 300] [--out runs/eval]
+                       [--engine-load 0.5] [--engine-requests 300] [--out runs/eval]
 
-**Scaled to this machine.** The step cost model is this machine's (``--cost-model``, or
-``preft eval profile`` is run first). For each workload:
+**Scaled to this machine.** The step cost model is this machine's, calibrated on a served
+engine under load (``--cost-model``, default the one ``preft eval profile --served`` writes,
+run first if missing). For each workload:
 
 - its capacity is the highest request rate vLLM's default policy sustains in the simulator
   (the last request finishes within 1/0.95 of the arrivals' span: served >= 95% of the offered
@@ -24,10 +25,10 @@ Goodput-vs-load curves in ``goodput_sim.png``.
 **Engine**: the ``--engine-workload`` at ``--engine-load`` as a ``timed_trace`` file, replayed
 by ``vllm bench serve`` at its arrival times against ``preft serve --scheduler P`` for each
 ``--engine-policies`` (SLOWeave at the first TPOT target), with the scheduler's step trace on.
-The same trace goes through the simulator twice: with the profiled cost model, and with one
-refitted on the steps the served engines recorded (``in-situ``: the API server and the load
-generator share the 2 cores with the engine). The gap between engine and simulator goodput is
-reported per policy, and whether the policies rank the same.
+The same trace goes through the simulator twice: with the cost model (fitted on a separate
+calibration run, so these runs are held out), and with one refitted on the steps these served
+engines recorded (``in-situ``, the best a cost model of this form can do). The gap between
+engine and simulator goodput is reported per policy, and whether the policies rank the same.
 """
 
 from __future__ import annotations
@@ -116,12 +117,51 @@ def run_simulations(cost_model, settings: dict) -> list[dict]:
     return rows
 
 
+def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str, run_dir: Path,
+                settings: dict) -> tuple[list, list[dict]]:
+    """``preft serve`` with ``policy_args`` (``--scheduler ...``) and the step trace on, driven by
+    ``vllm bench serve --dataset-name timed_trace`` at ``trace``'s arrival times:
+    ``(per-request timings, the engine's steps)``. The warm-up's steps are not kept."""
+    from preft.eval.eval_serve import warm_up
+    from preft.serving.scheduling.metrics import RequestTiming
+    from preft.serving.server_process import start_server, stop_server
+
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    step_trace = run_dir / f"steps-{label}.jsonl"
+    step_trace.unlink(missing_ok=True)
+    args = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(settings["max_len"]),
+            "--kv-cache-gib", "1", *policy_args, "--", "--max-num-seqs", str(settings["max_num_seqs"]),
+            "--max-num-batched-tokens", str(settings["max_num_batched_tokens"])]
+    proc, url, _ = start_server(args, run_dir / "logs" / f"server-{label}.log", env={"PREFT_STEP_TRACE": str(step_trace)})
+    result_name = f"bench-{label}.json"
+    try:
+        warm_up(url, [model_dir], rounds=2)
+        step_trace.unlink(missing_ok=True)
+        count = sum(1 for line in trace.read_text().splitlines() if line.strip())
+        command = [sys.executable, "-m", "preft.eval.vllm_bench", "serve", "--backend", "openai",
+                   "--base-url", url, "--endpoint", "/v1/completions", "--model", model_dir,
+                   "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path", str(trace),
+                   "--num-prompts", str(count), "--save-result", "--save-detailed",
+                   "--result-dir", str(run_dir), "--result-filename", result_name, "--disable-tqdm",
+                   "--percentile-metrics", "ttft,tpot,itl,e2el"]
+        with open(run_dir / "logs" / f"bench-{label}.log", "w") as log:
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed; see {run_dir / 'logs' / f'bench-{label}.log'}")
+    finally:
+        stop_server(proc)
+    bench = json.loads((run_dir / result_name).read_text())
+    timings = [RequestTiming(start, start + ttft, start + ttft + sum(itl), length)
+               for start, ttft, itl, length in zip(bench["start_times"], bench["ttfts"], bench["itls"],
+                                                   bench["output_lens"]) if ttft is not None and ttft > 0]
+    steps = [json.loads(line) for line in step_trace.read_text().splitlines()] if step_trace.exists() else []
+    return timings, steps
+
+
 def engine_runs(cost_model, cost_model_path: Path, model_dir: str, settings: dict, out: Path) -> dict[str, Any]:
     """Every engine policy on one trace through ``preft serve`` + ``vllm bench serve`` (module docstring)."""
-    from preft.eval.eval_serve import warm_up
     from preft.serving.scheduling import workloads
-    from preft.serving.scheduling.metrics import RequestTiming, summarize
-    from preft.serving.server_process import start_server, stop_server
+    from preft.serving.scheduling.metrics import summarize
 
     kind = settings["engine_workload"]
     rate0 = capacity(cost_model, kind, settings)
@@ -130,44 +170,16 @@ def engine_runs(cost_model, cost_model_path: Path, model_dir: str, settings: dic
     rate = settings["engine_load"] * rate0
     work = workloads.generate(kind, settings["engine_requests"], rate, seed=1, max_model_len=settings["max_len"])
     engine_dir = out / "engine"
-    (engine_dir / "logs").mkdir(parents=True, exist_ok=True)
+    engine_dir.mkdir(parents=True, exist_ok=True)
     trace = workloads.write_trace(work, engine_dir / f"{kind}.trace.jsonl")
     served = {}
     for policy in settings["engine_policies"]:
-        label = policy.replace(":", "")
-        step_trace = engine_dir / f"steps-{label}.jsonl"
-        step_trace.unlink(missing_ok=True)
-        args = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(settings["max_len"]),
-                "--scheduler", policy, "--kv-cache-gib", "1"]
+        policy_args = ["--scheduler", policy]
         if policy == "sloweave":
-            args += ["--tpot-ms", f"{1e3 * tpot:.3f}", "--cost-model", str(cost_model_path),
-                     "--max-chunk", str(settings["max_chunk"])]
-        args += ["--", "--max-num-seqs", str(settings["max_num_seqs"]),
-                 "--max-num-batched-tokens", str(settings["max_num_batched_tokens"])]
+            policy_args += ["--tpot-ms", f"{1e3 * tpot:.3f}", "--cost-model", str(cost_model_path),
+                            "--max-chunk", str(settings["max_chunk"])]
         print(f"[goodput] engine: {policy} on {len(work)} {kind} requests at {rate:.1f} req/s", flush=True)
-        proc, url, _ = start_server(args, engine_dir / "logs" / f"server-{label}.log",
-                                    env={"PREFT_STEP_TRACE": str(step_trace)})
-        try:
-            warm_up(url, [model_dir], rounds=2)
-            step_trace.unlink(missing_ok=True)  # the warm-up's steps are not the run's
-            result_name = f"bench-{label}.json"
-            command = [sys.executable, "-m", "preft.eval.vllm_bench", "serve", "--backend", "openai",
-                       "--base-url", url, "--endpoint", "/v1/completions", "--model", model_dir,
-                       "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path", str(trace),
-                       "--num-prompts", str(len(work)), "--save-result", "--save-detailed",
-                       "--result-dir", str(engine_dir), "--result-filename", result_name, "--disable-tqdm",
-                       "--percentile-metrics", "ttft,tpot,itl,e2el"]
-            with open(engine_dir / "logs" / f"bench-{label}.log", "w") as log:
-                done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
-            if done.returncode != 0:
-                raise RuntimeError(f"vllm bench serve failed; see {engine_dir / 'logs' / f'bench-{label}.log'}")
-        finally:
-            stop_server(proc)
-        bench = json.loads((engine_dir / result_name).read_text())
-        timings = [RequestTiming(start, start + ttft, start + ttft + sum(itl), length)
-                   for start, ttft, itl, length in zip(bench["start_times"], bench["ttfts"], bench["itls"],
-                                                       bench["output_lens"]) if ttft is not None and ttft > 0]
-        steps = [json.loads(line) for line in step_trace.read_text().splitlines()] if step_trace.exists() else []
+        timings, steps = serve_trace(model_dir, policy_args, trace, policy.replace(":", ""), engine_dir, settings)
         served[policy] = {"summary": summarize(timings, scale["ttft_s"], tpot), "failed": len(work) - len(timings),
                           "timings": timings, "steps": steps}
     return {"workload": kind, "capacity": rate0, "rate": rate, "tpot_s": tpot, "trace": str(trace), "work": work,
@@ -256,7 +268,7 @@ def plot_fidelity(fid: dict, path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     labels = [r["policy"] for r in rows]
     width = 0.27
-    for offset, (key, name) in enumerate((("engine", "engine"), ("profiled", "simulator, profiled model"),
+    for offset, (key, name) in enumerate((("engine", "engine"), ("profiled", "simulator, cost model"),
                                           ("in_situ", "simulator, in-situ model"))):
         axes[0].bar([k + (offset - 1) * width for k in range(len(rows))], [r[key]["goodput"] for r in rows],
                     width, label=name)
@@ -265,7 +277,7 @@ def plot_fidelity(fid: dict, path: Path, title: str) -> None:
     axes[0].legend(fontsize=7)
     for ax, metric in ((axes[1], "ttft_ms"), (axes[2], "tpot_ms")):
         for r, colour in zip(rows, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
-            for key, style in (("engine", "-"), ("in_situ", "--")):
+            for key, style in (("engine", "-"), ("profiled", "--")):
                 values = r[f"{key}_{metric}"]
                 if values:
                     ax.plot(values, [(k + 1) / len(values) for k in range(len(values))], style, color=colour,
@@ -298,9 +310,9 @@ def simulation_table(rows: list[dict], settings: dict, load: float) -> str:
 
 
 def fidelity_table(fid: dict) -> str:
-    lines = ["| policy | goodput engine / sim profiled / sim in-situ (req/s) | gap (profiled, in-situ) | "
-             "TTFT p50 / p99 engine vs in-situ (ms) | TPOT p50 / p99 engine vs in-situ (ms) | step time: median "
-             "measured, profiled model error |", "|---|---|---|---|---|---|"]
+    lines = ["| policy | goodput engine / simulator / simulator in-situ (req/s) | simulator's gap (model, in-situ) | "
+             "TTFT p50 / p99 engine vs simulator (ms) | TPOT p50 / p99 engine vs simulator (ms) | step time: median "
+             "measured, the model's median error |", "|---|---|---|---|---|---|"]
     for r in fid["rows"]:
         e, p, s = r["engine"], r["profiled"], r["in_situ"]
 
@@ -310,13 +322,13 @@ def fidelity_table(fid: dict) -> str:
         step = r["step_error"]
         lines.append(f"| {r['policy']} | {e['goodput']:.2f} / {p['goodput']:.2f} / {s['goodput']:.2f} | "
                      f"{gap('profiled_goodput_gap')}, {gap('in_situ_goodput_gap')} | "
-                     f"{e['ttft_ms_p50']:.0f} / {e['ttft_ms_p99']:.0f} vs {s['ttft_ms_p50']:.0f} / {s['ttft_ms_p99']:.0f} | "
-                     f"{e['tpot_ms_p50']:.1f} / {e['tpot_ms_p99']:.1f} vs {s['tpot_ms_p50']:.1f} / {s['tpot_ms_p99']:.1f} | "
+                     f"{e['ttft_ms_p50']:.0f} / {e['ttft_ms_p99']:.0f} vs {p['ttft_ms_p50']:.0f} / {p['ttft_ms_p99']:.0f} | "
+                     f"{e['tpot_ms_p50']:.1f} / {e['tpot_ms_p99']:.1f} vs {p['tpot_ms_p50']:.1f} / {p['tpot_ms_p99']:.1f} | "
                      f"{step['measured_median_ms'] or 0:.1f} ms, {100 * (step['profiled_median'] or 0):.0f}% |")
     ranks = fid["ranking"]
     lines.append("")
-    lines.append(f"Ranking by goodput: engine {ranks['engine']}; simulator (profiled) {ranks['profiled']}; "
-                 f"simulator (in-situ) {ranks['in_situ']}.")
+    lines.append(f"Ranking by goodput: engine {ranks['engine']}; simulator {ranks['profiled']}; "
+                 f"simulator in-situ {ranks['in_situ']}.")
     return "\n".join(lines)
 
 
@@ -324,7 +336,7 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
          policies: str = "default,fixed:64,fixed:256,fixed:1024,fixed:2048,sloweave", tpot_scales: str = "2,5",
          loads: str = "0.25,0.5,0.75,1,1.25", requests: int = 2000, max_num_seqs: int = 64,
          engine_policies: str = "default,fixed:64,fixed:256,sloweave", engine_workload: str = "mixed",
-         engine_load: float = 0.75, engine_requests: int = 300, out: str = "runs/eval") -> dict[str, Any]:
+         engine_load: float = 0.5, engine_requests: int = 300, out: str = "runs/eval") -> dict[str, Any]:
     from transformers import AutoConfig
 
     from preft.eval import eval_profile
@@ -353,12 +365,12 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
     goodput_dir = Path(out) / "goodput"
     goodput_dir.mkdir(parents=True, exist_ok=True)
     model_dir = eval_profile._model_dir(model, Path(out) / "profile")
-    if cost_model is None:
+    if cost_model is None:  # the served calibration: the engine as vllm bench serve meets it
         name = model if model in ("default", "512x8") else Path(model_dir).name
-        cost_model = str(Path(out) / "profile" / f"cost_model_{name}.json")
+        cost_model = str(Path(out) / "profile" / f"cost_model_{name}_served.json")
         if not Path(cost_model).is_file():
-            print(f"[goodput] no cost model for {model} yet: profiling it first", flush=True)
-            eval_profile.main(model=model, out=out)
+            print(f"[goodput] no served cost model for {model} yet: profiling it first", flush=True)
+            eval_profile.main(model=model, served=True, out=out)
     model_cost = StepCostModel.load(cost_model)
     settings["max_len"] = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     settings["max_chunk"] = 2048
@@ -370,7 +382,7 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                               "machine": eval_profile._machine(), "settings": settings, "simulation": rows}
     load_shown = min(settings["loads"], key=lambda load: abs(load - 0.75))
     markdown = [f"## Goodput: SLOWeave vs fixed prefill chunks (`preft eval goodput`)\n",
-                f"![simulated goodput](results/goodput_sim.png)\n",
+                f"![simulated goodput](goodput_sim.png)\n",
                 f"Command: `{result['command']}` ({result['machine']}); cost model `{Path(cost_model).name}`. "
                 f"Simulator, {requests} requests per point; goodput in requests/s meeting both targets (SLO attainment "
                 f"in brackets) at {load_shown:g} of each workload's capacity. TPOT targets are multiples of the "
@@ -388,11 +400,12 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                                               for r in fid["rows"]]}
         markdown += [f"### Real engine vs simulator: {engine['workload']}, {len(engine['work'])} requests at "
                      f"{engine['rate']:.1f} req/s ({engine_load:g} of capacity)\n",
-                     f"![engine vs simulator](results/goodput_engine.png)\n",
+                     f"![engine vs simulator](goodput_engine.png)\n",
                      f"`preft serve --scheduler P` driven by `vllm bench serve --dataset-name timed_trace` at the "
                      f"trace's arrival times; SLOWeave at TPOT {1e3 * engine['tpot_s']:.1f} ms (the first target), "
                      f"TTFT target {1e3 * engine['ttft_s']:.0f} ms. The simulator replays the same trace with the "
-                     f"profiled cost model and with one refitted on the served engines' own steps (in-situ).\n",
+                     f"cost model (calibrated on a separate served run) and with one refitted on these runs' own "
+                     f"steps (in-situ).\n",
                      fidelity_table(fid), ""]
     result["wall_time_s"] = round(time.time() - started, 1)
     (goodput_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -408,7 +421,8 @@ def add_arguments(parser) -> None:
 
     add_flags(parser, main, [
         ("--model", str, "base model: '512x8' (a random-init 27M Llama built here), 'default' or a local directory"),
-        ("--cost-model", str, "step cost model JSON (default: OUT/profile/cost_model_MODEL.json, profiled if missing)"),
+        ("--cost-model", str, "step cost model JSON (default: OUT/profile/cost_model_MODEL_served.json, from "
+                              "`preft eval profile --served`, run first if missing)"),
         ("--workloads", str, "comma-separated, of chat, mixed, long, bursty (simulator)"),
         ("--policies", str, "comma-separated prefill chunk policies (simulator)"),
         ("--tpot-scales", str, "TPOT targets as multiples of the decode step at the workload's batch size"),

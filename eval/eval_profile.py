@@ -1,7 +1,7 @@
 """`preft eval profile`: measure engine steps on the real engine and fit the step cost model.
 
     preft eval profile [--model default|512x8|DIR] [--decodes 0,1,2,4,8,16,32]
-                       [--chunks 16,32,64,128,256,448] [--repeats 2] [--out runs/eval]
+                       [--chunks 16,32,64,128,256,448] [--repeats 2] [--served] [--out runs/eval]
 
 One vLLM engine (PreFT's scheduler, float32, eager, prefix caching off so every token is
 computed) runs in a child process with its engine core in-process, so the profile sets the
@@ -17,6 +17,13 @@ the fit and predicted (median and p95 relative error). Written to ``OUT/profile/
 ``cost_model_<model>.json`` (``preft serve --cost-model``, the simulator), ``steps_<model>.json``
 (every measured step), ``profile_<model>.md`` and ``profile_<model>.png`` (measured vs
 predicted).
+
+``--served`` then calibrates where the model is used: a real ``preft serve`` (chunk sizes
+cycling through ``--chunks``, :class:`~preft.serving.scheduling.chunk_policies.CyclingChunk`)
+under a bursty ``vllm bench serve`` load, its steps traced. On 2 cores the API server and the
+load generator take CPU from the engine, so served steps are slower than the engine's alone;
+this model (``cost_model_<model>_served.json``, held-out error on every fourth step) is the one
+to give ``preft serve --scheduler sloweave --cost-model``.
 """
 
 from __future__ import annotations
@@ -126,6 +133,8 @@ def plot(steps: list[dict], cost_model, path: Path, title: str) -> None:
     ax.plot([low, high], [low, high], color="grey", linewidth=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # decade labels only: the minor ones collide
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted T(n, c, x) (ms)")
     ax.set_title(title, fontsize=10)
@@ -136,19 +145,86 @@ def plot(steps: list[dict], cost_model, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def fit_and_report(steps: list[dict], gaps: list[float], held_description: str, label: str, file_stem: str,
+                   profile_dir: Path, command: str, extra: dict) -> dict[str, Any]:
+    """Fit on the steps not held out, measure the error on the held-out ones, then fit the model
+    that is kept on every step; write the model, the steps, the plot and the section."""
+    from preft.serving.scheduling.cost_model import StepCostModel
+    from preft.serving.scheduling.metrics import percentile
+
+    fitted_on = [s for s in steps if not s["held_out"]]
+    held = [s for s in steps if s["held_out"]]
+    gap_s = statistics.median(gaps) if gaps else 0.0
+
+    def shapes(rows):
+        return [(s["n"], s["c"], s["x"]) for s in rows]
+
+    check = StepCostModel.fit(shapes(fitted_on), [s["seconds"] for s in fitted_on])
+    errors = check.relative_errors(shapes(held), [s["seconds"] for s in held])
+    # the model served and simulated is fitted on every step; its error is the held-out one above
+    cost_model = StepCostModel.fit(shapes(steps), [s["seconds"] for s in steps], source=f"preft eval profile ({label})",
+                                   meta={"label": label, "gap_s": gap_s, "steps": len(steps),
+                                         "held_out_median_relative_error": statistics.median(errors),
+                                         "held_out_p95_relative_error": percentile(errors, 95)})
+    model_path = cost_model.save(profile_dir / f"cost_model_{file_stem}.json")
+    result = {"command": command, "label": label, "machine": _machine(), "steps": len(steps),
+              "held_out_steps": len(held), "median_relative_error": statistics.median(errors),
+              "p95_relative_error": percentile(errors, 95), "gap_ms": 1e3 * gap_s,
+              "cost_model": cost_model.to_json(), "cost_model_path": str(model_path), **extra}
+    (profile_dir / f"steps_{file_stem}.json").write_text(json.dumps(steps) + "\n")
+    (profile_dir / f"profile_{file_stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(steps, check, profile_dir / f"profile_{file_stem}.png",
+         f"{label}: step time, measured vs fitted (held-out median error {result['median_relative_error']:.0%})")
+    weights = ", ".join(f"{f}: {1e3 * w:.4g}" for f, w in zip(cost_model.to_json()["features"], cost_model.weights))
+    markdown = (f"### Step cost model: {label}\n\n![profile](profile_{file_stem}.png)\n\n"
+                f"Command: `{command}` ({result['machine']}). {len(steps)} measured steps; {len(held)} of them "
+                f"held out ({held_description}) and predicted by a fit on the rest: relative error median "
+                f"{result['median_relative_error']:.1%}, p95 {result['p95_relative_error']:.1%}. Between steps the "
+                f"engine spends a median {result['gap_ms']:.2f} ms (the simulator adds it).\n\n"
+                f"Weights (ms per unit): {weights}.\n")
+    (profile_dir / f"profile_{file_stem}.md").write_text(markdown)
+    print(markdown)
+    print(f"written: {model_path}, {profile_dir / f'profile_{file_stem}.png'}")
+    return result
+
+
+def served_steps(model_dir: str, offline, chunk_list: list[int], max_len: int, requests: int,
+                 work_dir: Path) -> tuple[list[dict], list[float], float]:
+    """A served engine's steps under load: ``preft serve --scheduler cycle:CHUNKS`` driven by
+    ``vllm bench serve`` with a bursty timed trace at the offline model's capacity (busy and
+    idle stretches: many batch sizes and contexts). ``(steps, gaps, rate)``."""
+    from preft.eval import eval_goodput
+    from preft.serving.scheduling import workloads
+
+    settings = {"max_len": max_len, "max_num_seqs": 64, "max_chunk": 2048, "max_num_batched_tokens": 2048 + 256,
+                "probe_requests": 600}
+    # at the engine-alone capacity a served engine is overloaded in the bursts and idle between
+    # them: its steps cover small and large batches and long contexts, as serving near capacity does
+    rate = eval_goodput.capacity(offline, "bursty", settings)
+    trace = workloads.write_trace(workloads.generate("bursty", requests, rate, seed=7, max_model_len=max_len),
+                                  work_dir / "calibration.trace.jsonl")
+    print(f"[profile] served: {requests} bursty requests at {rate:.1f} req/s through preft serve "
+          f"--scheduler cycle:{','.join(map(str, chunk_list))}", flush=True)
+    policy = ["--scheduler", "cycle:" + ",".join(map(str, chunk_list))]
+    _, steps = eval_goodput.serve_trace(model_dir, policy, trace, "calibration", work_dir, settings)
+    gaps = [s["gap_s"] for s in steps if s.get("gap_s") is not None]
+    kept = [{**s, "held_out": index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1}
+            for index, s in enumerate(steps) if s["seconds"] > 0 and (s["n"] or s["c"])]
+    return kept, gaps, rate
+
+
 def main(model: str = "default", decodes: str = "0,1,2,4,8,16,32", chunks: str = "16,32,64,128,256,448",
-         repeats: int = 2, out: str = "runs/eval") -> dict[str, Any]:
+         repeats: int = 2, served: bool = False, served_requests: int = 400, out: str = "runs/eval") -> dict[str, Any]:
     from transformers import AutoConfig
 
     from preft.eval.eval_loss import parse_list
     from preft.eval.report import command_line
     from preft.serving.scheduling.cost_model import StepCostModel
-    from preft.serving.scheduling.metrics import percentile
 
     started = time.time()
     decode_list, chunk_list = parse_list(decodes, int, "decodes"), parse_list(chunks, int, "chunks")
-    if any(n < 0 for n in decode_list) or any(c < 1 for c in chunk_list) or repeats < 1:
-        raise ValueError("--decodes must be >= 0, --chunks and --repeats >= 1")
+    if any(n < 0 for n in decode_list) or any(c < 1 for c in chunk_list) or repeats < 1 or served_requests < 10:
+        raise ValueError("--decodes must be >= 0, --chunks and --repeats >= 1, --served-requests >= 10")
     profile_dir = Path(out) / "profile"
     profile_dir.mkdir(parents=True, exist_ok=True)
     model_dir = _model_dir(model, profile_dir)
@@ -184,43 +260,23 @@ def main(model: str = "default", decodes: str = "0,1,2,4,8,16,32", chunks: str =
             continue
         steps.append({**step, "cell": [phase["n"], phase["chunk"]],
                       "held_out": (phase["n"], phase["chunk"]) in held_cells})
-    fitted_on = [s for s in steps if not s["held_out"]]
-    held = [s for s in steps if s["held_out"]]
     gaps = [s["gap_s"] for s in measured if s.get("gap_s") is not None]
-    gap_s = statistics.median(gaps) if gaps else 0.0
-
-    def shapes(rows):
-        return [(s["n"], s["c"], s["x"]) for s in rows]
-
-    check = StepCostModel.fit(shapes(fitted_on), [s["seconds"] for s in fitted_on])
-    errors = check.relative_errors(shapes(held), [s["seconds"] for s in held])
-    # the model served and simulated is fitted on every step; its error is the held-out one above
-    cost_model = StepCostModel.fit(shapes(steps), [s["seconds"] for s in steps], source=f"preft eval profile ({model})",
-                                   meta={"model": model, "gap_s": gap_s, "steps": len(steps),
-                                         "held_out_median_relative_error": statistics.median(errors),
-                                         "held_out_p95_relative_error": percentile(errors, 95)})
-    model_path = cost_model.save(profile_dir / f"cost_model_{name}.json")
     command = command_line("profile", main, {"model": model, "decodes": decodes, "chunks": chunks,
-                                             "repeats": repeats}, always=("model",))
-    result = {"command": command, "model": model, "machine": _machine(), "steps": len(steps),
-              "held_out_steps": len(held), "held_out_cells": sorted(held_cells),
-              "median_relative_error": statistics.median(errors), "p95_relative_error": percentile(errors, 95),
-              "gap_ms": 1e3 * gap_s, "cost_model": cost_model.to_json(), "cost_model_path": str(model_path),
-              "wall_time_s": round(time.time() - started, 1)}
-    (profile_dir / f"steps_{name}.json").write_text(json.dumps(steps) + "\n")
-    (profile_dir / f"profile_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(steps, check, profile_dir / f"profile_{name}.png",
-         f"{model}: step time, measured vs fitted (held-out median error {result['median_relative_error']:.0%})")
-    weights = ", ".join(f"{f}: {1e3 * w:.4g}" for f, w in zip(cost_model.to_json()["features"], cost_model.weights))
-    markdown = (f"### Step cost model: {model}\n\n![profile](results/profile_{name}.png)\n\n"
-                f"Command: `{command}` ({result['machine']}). {len(steps)} measured steps; "
-                f"{len(held)} of them in the held-out (n, c) cells {sorted(held_cells)}, predicted by a fit on the rest: "
-                f"relative error median {result['median_relative_error']:.1%}, p95 {result['p95_relative_error']:.1%}. "
-                f"Between steps the engine spends a median {result['gap_ms']:.2f} ms (the simulator adds it).\n\n"
-                f"Weights (ms per unit): {weights}.\n")
-    (profile_dir / f"profile_{name}.md").write_text(markdown)
-    print(markdown)
-    print(f"written: {model_path}, {profile_dir / f'profile_{name}.png'}")
+                                             "repeats": repeats, "served": served,
+                                             "served_requests": served_requests}, always=("model",))
+    command = command.replace("--served True", "--served")
+    result = fit_and_report(steps, gaps, f"the (n, c) cells {sorted(held_cells)}", f"{model}, the engine alone",
+                            name, profile_dir, command, {"model": model, "held_out_cells": sorted(held_cells)})
+    if served:
+        offline = StepCostModel.load(result["cost_model_path"])
+        calibration, served_gaps, rate = served_steps(model_dir, offline, chunk_list, max_len, served_requests, work)
+        result["served"] = fit_and_report(
+            calibration, served_gaps, "every fourth step", f"{model}, served under load", f"{name}_served",
+            profile_dir, command, {"model": model, "rate": rate, "requests": served_requests,
+                                   "offline_model_error_on_served_steps": statistics.median(
+                                       offline.relative_errors([(s["n"], s["c"], s["x"]) for s in calibration],
+                                                               [s["seconds"] for s in calibration]))})
+    result["wall_time_s"] = round(time.time() - started, 1)
     return result
 
 
@@ -235,11 +291,15 @@ def _machine() -> str:
 def add_arguments(parser) -> None:
     from preft.eval.report import add_flags
 
+    parser.add_argument("--served", action="store_true",
+                        help="also calibrate on a served engine under load (preft serve + vllm bench serve; the API "
+                             "server and the client share the CPU): cost_model_MODEL_served.json")
     add_flags(parser, main, [
         ("--model", str, "base model: 'default', '512x8' (a random-init 27M Llama built here) or a local directory"),
         ("--decodes", str, "comma-separated decode counts to profile"),
         ("--chunks", str, "comma-separated prefill chunk sizes to profile"),
         ("--repeats", int, "passes over the grid"),
+        ("--served-requests", int, "requests in the --served calibration run"),
         ("--out", str, "results directory"),
     ])
 

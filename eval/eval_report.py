@@ -2,8 +2,9 @@
 
     preft eval report [--out runs/eval] [--write-docs]
 
-Reads what ``preft eval loss`` / ``serve`` / ``rl`` / ``soak`` wrote under ``OUT``
-(``NAME/results.json``; any may be missing) and writes ``OUT/report.md``:
+Reads what ``preft eval loss`` / ``serve`` / ``rl`` / ``soak`` / ``profile`` / ``goodput`` wrote
+under ``OUT`` (``NAME/results.json``, ``profile/profile_MODEL.*``, ``goodput/goodput.md``; any may
+be missing) and writes ``OUT/report.md``:
 each section with the command, machine and versions that produced it, and the headline figure
 ``OUT/tradeoff.png``: one point per (method, rank), x = serving throughput relative to the base
 model at N adapters (from ``eval serve``, its largest N at its first rate: LoRA-P and ReFT-P are its ``preft`` variant, all-token
@@ -91,7 +92,7 @@ def main(out: str = "runs/eval", write_docs: bool = False, docs_dir: str | None 
     repository's ``docs/``)."""
     root = Path(out)
     results = {name: _read(root / name / "results.json") for name in SECTIONS}
-    if not any(results.values()):
+    if not any(results.values()) and not own_figure_sections(root):
         raise ValueError(f"{root}: no eval results found (run preft eval loss / serve / rl with --out {out} first)")
     parts = ["# PreFT eval report\n"]
     figure = None
@@ -112,6 +113,10 @@ def main(out: str = "runs/eval", write_docs: bool = False, docs_dir: str | None 
             text = (root / name / markdown).read_text().strip()
             parts.append(text.replace("\n\n", f"\n\n![{name}]({name}/{picture})\n\n", 1)
                          if (root / name / picture).is_file() else text)
+    # sections that name their own figures (``![..](FILE.png)``, FILE beside the markdown)
+    own = own_figure_sections(root)
+    for name, (markdown, pictures) in own.items():
+        parts.append(_figures_at(markdown.read_text().strip(), pictures, f"{markdown.parent.name}/"))
     report = root / "report.md"
     report.write_text("\n\n".join(parts) + "\n")
     print(f"written: {report}" + (f" and {figure}" if figure else ""))
@@ -129,12 +134,35 @@ def main(out: str = "runs/eval", write_docs: bool = False, docs_dir: str | None 
                 shutil.copyfile(root / name / picture, docs / f"eval_{picture}")
                 text = text.replace("\n\n", f"\n\n![{name}](results/eval_{picture})\n\n", 1)
             write_result(f"eval_{name}", results[name], text, docs_root)
+        for name, (markdown, pictures) in own.items():
+            for picture in pictures:
+                shutil.copyfile(markdown.parent / picture, docs / f"eval_{picture}")
+            data = _read(markdown.with_suffix(".json")) or _read(markdown.parent / "results.json") or {}
+            write_result(f"eval_{name}", data,
+                         _figures_at(markdown.read_text().strip(), pictures, "results/eval_"), docs_root)
         if figure:
             shutil.copyfile(figure, docs / "eval_tradeoff.png")
             write_result("eval_tradeoff", results["tradeoff"], parts[1].replace("(tradeoff.png)",
                                                                                 "(results/eval_tradeoff.png)"), docs_root)
         print(f"written: {docs_root / 'RESULTS.md'} and {docs}/eval_*")
     return results
+
+
+def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
+    """``name -> (markdown, its figures)`` for ``eval profile`` (one per model) and ``eval goodput``."""
+    found = {}
+    for markdown in sorted((root / "profile").glob("profile_*.md")):
+        found[markdown.stem] = (markdown, [f"{markdown.stem}.png"])
+    if (root / "goodput" / "goodput.md").is_file():
+        found["goodput"] = (root / "goodput" / "goodput.md", ["goodput_sim.png", "goodput_engine.png"])
+    return {name: (markdown, [p for p in pictures if (markdown.parent / p).is_file()])
+            for name, (markdown, pictures) in found.items()}
+
+
+def _figures_at(text: str, pictures: list[str], prefix: str) -> str:
+    for picture in pictures:
+        text = text.replace(f"]({picture})", f"]({prefix}{picture})")
+    return text
 
 
 def add_arguments(parser) -> None:

@@ -59,7 +59,8 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
         argv += ["--lora-modules", *args.lora_adapters]
     if args.scheduler != "default" and not any(a.startswith("--max-num-batched-tokens") for a in args.vllm_args):
         # the policy's chunk plus a decode token for every running request fit vLLM's token budget
-        largest = int(args.scheduler.split(":", 1)[1]) if args.scheduler.startswith("fixed:") else args.max_chunk
+        sizes = args.scheduler.split(":", 1)[1].split(",") if ":" in args.scheduler else [args.max_chunk]
+        largest = max(int(size) for size in sizes)
         argv += ["--max-num-batched-tokens", str(largest + 256)]
     return argv + list(args.vllm_args)
 

@@ -13,7 +13,8 @@ from preft.serving.scheduling.cost_model import StepCostModel
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
-    return out, eval_profile.main(model="default", decodes="0,2,6", chunks="16,64,256", repeats=1, out=str(out))
+    return out, eval_profile.main(model="default", decodes="0,2,6", chunks="16,64,256", repeats=1, served=True,
+                                  served_requests=24, out=str(out))
 
 
 @pytest.mark.slow
@@ -30,7 +31,14 @@ def test_profile_fits_a_monotone_cost_model_on_measured_steps(profile):
     assert all(b >= a for a, b in zip(values, values[1:]))
     assert model(0, 256, 0) > model(0, 16, 0)  # a bigger prefill costs more on the real engine
     assert (out / "profile" / "profile_default.png").stat().st_size > 1000
-    assert "held-out" in (out / "profile" / "profile_default.md").read_text()
+    assert "held out" in (out / "profile" / "profile_default.md").read_text()
+    # --served: a real server under a bursty load, its chunk sizes cycling through --chunks
+    served = result["served"]
+    calibration = json.loads((out / "profile" / "steps_default_served.json").read_text())
+    assert len(calibration) == served["steps"] > 10 and {s["policy"] for s in calibration} == {"cycle:16,64,256"}
+    assert {s["c"] for s in calibration} & {16, 64} and max(s["c"] for s in calibration) <= 256
+    assert StepCostModel.load(served["cost_model_path"]).meta["label"] == "default, served under load"
+    assert "--served" in served["command"] and served["offline_model_error_on_served_steps"] >= 0
 
 
 @pytest.mark.slow
@@ -62,3 +70,11 @@ def test_goodput_runs_the_simulator_and_the_real_engine_side_by_side(profile, tm
     assert "| chat |" in markdown and "Ranking by goodput" in markdown
     for figure in ("goodput_sim.png", "goodput_engine.png"):
         assert (tmp_path / "goodput" / figure).stat().st_size > 1000
+    # the report gathers the goodput section with both figures (and the docs copy points at its copies)
+    from preft.eval import eval_report
+
+    eval_report.main(out=str(tmp_path), write_docs=True, docs_dir=str(tmp_path / "docs"))
+    docs = (tmp_path / "docs" / "RESULTS.md").read_text()
+    assert "<!-- bench:eval_goodput -->" in docs and "(results/eval_goodput_engine.png)" in docs
+    assert (tmp_path / "docs" / "results" / "eval_goodput_sim.png").is_file()
+    assert "(goodput/goodput_sim.png)" in (tmp_path / "report.md").read_text()

@@ -93,7 +93,10 @@ def test_policies_by_name_and_their_errors(tmp_path):
     assert isinstance(make_policy("default"), VllmDefault)
     assert make_policy("fixed:256").prefill_budget(view(pending=1000)) == 256
     assert make_policy("fixed:256").prefill_budget(view(pending=10)) == 10
-    for bad, message in (("fixed:x", "fixed:TOKENS"), ("fixed:0", ">= 1"), ("lpm", "unknown scheduler"),
+    cycle = make_policy("cycle:16,256")
+    assert [cycle.prefill_budget(view(pending=1000)) for _ in range(4)] == [256, 16, 256, 16]
+    assert cycle.prefill_budget(view(pending=5)) == 5
+    for bad, message in (("cycle:16,x", "cycle:TOKENS"), ("cycle:0", ">= 1"), ("fixed:x", "fixed:TOKENS"), ("fixed:0", ">= 1"), ("lpm", "unknown scheduler"),
                          ("sloweave", "cost model")):
         with pytest.raises(ValueError, match=message):
             make_policy(bad)

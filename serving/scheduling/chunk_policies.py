@@ -16,7 +16,8 @@ objects.
 - :class:`preft.serving.scheduling.sloweave.SLOWeave`: the largest chunk predicted to meet the
   earliest decode deadline.
 
-:func:`make_policy` builds one from its name (``default``, ``fixed:256``, ``sloweave``).
+:func:`make_policy` builds one from its name (``default``, ``fixed:256``, ``sloweave``; and
+``cycle:16,64,256``, :class:`CyclingChunk`, which only calibrates the cost model).
 """
 
 from __future__ import annotations
@@ -62,6 +63,22 @@ class FixedChunk:
         return min(self.chunk, view.pending_prefill_tokens)
 
 
+class CyclingChunk:
+    """Each step the next size of ``sizes``, in turn: a served engine's steps then cover small and
+    large chunks beside whatever decodes the load brings (``preft eval profile --served``
+    calibrates the cost model on them). Not a serving policy."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        if not sizes or any(size < 1 for size in sizes):
+            raise ValueError(f"a cycle of chunk sizes needs sizes >= 1, got {sizes}")
+        self.sizes, self.step = list(sizes), 0
+        self.name = "cycle:" + ",".join(map(str, sizes))
+
+    def prefill_budget(self, view: StepView) -> int:
+        self.step += 1
+        return min(self.sizes[self.step % len(self.sizes)], view.pending_prefill_tokens)
+
+
 def make_policy(name: str, *, cost_model=None, tpot_s: float | None = None, max_chunk: int = 2048,
                 margin_s: float = 0.0):
     """``default`` | ``fixed:C`` | ``sloweave`` (which needs ``cost_model`` and ``tpot_s``)."""
@@ -72,13 +89,19 @@ def make_policy(name: str, *, cost_model=None, tpot_s: float | None = None, max_
         if not size.isdigit():
             raise ValueError(f"scheduler {name!r}: expected fixed:TOKENS, e.g. fixed:256")
         return FixedChunk(int(size))
+    if name.startswith("cycle:"):
+        sizes = name.split(":", 1)[1].split(",")
+        if not all(size.isdigit() for size in sizes):
+            raise ValueError(f"scheduler {name!r}: expected cycle:TOKENS,TOKENS,..., e.g. cycle:16,256")
+        return CyclingChunk([int(size) for size in sizes])
     if name == "sloweave":
         from preft.serving.scheduling.sloweave import SLOWeave
 
         if cost_model is None or tpot_s is None:
             raise ValueError("the sloweave scheduler needs a step cost model and a TPOT target")
         return SLOWeave(cost_model, tpot_s=tpot_s, max_chunk=max_chunk, margin_s=margin_s)
-    raise ValueError(f"unknown scheduler {name!r} (choose from default, fixed:TOKENS, sloweave)")
+    raise ValueError(f"unknown scheduler {name!r} (choose from default, fixed:TOKENS, sloweave; "
+                     f"cycle:TOKENS,... calibrates)")
 
 
 def policy_from_spec(spec: dict):

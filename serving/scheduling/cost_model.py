@@ -86,14 +86,15 @@ class StepCostModel:
     def fit(cls, shapes: list[tuple[int, int, int]], seconds: list[float], **meta) -> StepCostModel:
         """Fit on measured steps: ``shapes`` of ``(n, c, x)``, their times in seconds.
 
-        Relative error is what matters to a deadline (a 1 ms miss on a 2 ms step is worse than
-        on a 50 ms one), so each row is weighted by ``1 / seconds``."""
+        Each row is weighted by ``1 / sqrt(seconds)``: between relative error (what a deadline
+        feels: a 1 ms miss on a 2 ms step is worse than on a 50 ms one) and absolute error
+        (what capacity feels: the big steps' time adds up)."""
         if len(shapes) < len(FEATURES):
             raise ValueError(f"fitting a step cost model needs at least {len(FEATURES)} measured steps, "
                              f"got {len(shapes)}")
         a = np.array([features(*shape) for shape in shapes])
         b = np.array(seconds, dtype=float)
-        scale = 1.0 / np.maximum(b, 1e-6)
+        scale = 1.0 / np.sqrt(np.maximum(b, 1e-6))
         return cls(nonnegative_least_squares(a * scale[:, None], b * scale).tolist(), **meta)
 
     def relative_errors(self, shapes: list[tuple[int, int, int]], seconds: list[float]) -> list[float]:
