@@ -1,0 +1,163 @@
+"""Feather: a contextual bandit that decides, while a batch forms, whether to ADD the waiting
+request sharing the most prefix with the batch or STOP (arXiv 2605.06046, "Requests of a
+Feather Must Flock Together").
+
+Each decision sees a bucketed state
+
+    s = (batch size bucket, chunks lost by adding the candidate, waiting requests sharing its prefix bucket)
+
+where *lost* = (candidate's chunks missing from the batch's working set) − (its chunks already
+there), clipped to [-5, 5]: negative when the candidate mostly shares the batch's prefix. The
+candidate comes from the :class:`~preft.serving.scheduling.chunked_hash_tree.ChunkedHashTree`
+(fewest missing chunks). Rules before the bandit:
+
+- nothing lost (the candidate misses no chunk), or an empty batch: always ADD;
+- first of all, the oldest waiting request is admitted once it has waited longer than
+  ``max_wait_s`` (whatever prefix it has), so no request starves;
+- the batch is full: STOP.
+
+Otherwise tabular UCB picks the action::
+
+    a = argmax_a  Q(s, a) + c · sqrt(ln N(s) / N(s, a))        (an untried action first)
+
+with ``c`` the exploration constant (the paper's ~200, in the reward's units). When the batch
+has run, its reward ``r = batch size / measured step time`` (requests per second) is credited
+to every decision that formed it: ``Q(s, a) += (r − Q(s, a)) / N(s, a)``. Learning is online;
+the table is saved and loaded as JSON (``--feather-state FILE``), and can be pretrained in the
+simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+ADD, STOP = "add", "stop"
+ACTIONS = (ADD, STOP)
+
+
+def bucket(value: int, edges: tuple[int, ...]) -> int:
+    """Index of the first edge ``>= value`` (the last bucket holds everything above)."""
+    for index, edge in enumerate(edges):
+        if value <= edge:
+            return index
+    return len(edges)
+
+
+BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128)
+SHARING_EDGES = (0, 1, 3, 7, 15, 31)
+
+
+def state_of(batch_size: int, missing: int, shared: int, sharing_waiting: int) -> tuple[int, int, int]:
+    """The bucketed state of one decision (see the module docstring)."""
+    lost = max(-5, min(5, missing - shared))
+    return bucket(batch_size, BATCH_EDGES), lost, bucket(sharing_waiting, SHARING_EDGES)
+
+
+class FeatherBandit:
+    """Tabular UCB over (state, action), rewards in requests per second."""
+
+    def __init__(self, exploration: float = 200.0) -> None:
+        self.exploration = exploration
+        self.q: dict[tuple, float] = {}
+        self.n: dict[tuple, int] = {}
+        self.decisions = 0
+
+    def choose(self, state: tuple) -> str:
+        self.decisions += 1
+        counts = [self.n.get((state, a), 0) for a in ACTIONS]
+        for action, count in zip(ACTIONS, counts):
+            if count == 0:
+                return action
+        total = math.log(sum(counts))
+        return max(ACTIONS, key=lambda a: self.q[(state, a)]
+                   + self.exploration * math.sqrt(total / self.n[(state, a)]))
+
+    def credit(self, decisions: list[tuple[tuple, str]], reward: float) -> None:
+        """The batch's reward to every decision that formed it (running mean per pair)."""
+        for state, action in decisions:
+            pair = (state, action)
+            count = self.n.get(pair, 0) + 1
+            self.n[pair] = count
+            self.q[pair] = self.q.get(pair, 0.0) + (reward - self.q.get(pair, 0.0)) / count
+
+    def greedy(self, state: tuple) -> str | None:
+        """The learned action without exploration (None when untried)."""
+        tried = [a for a in ACTIONS if (state, a) in self.q]
+        return max(tried, key=lambda a: self.q[(state, a)]) if tried else None
+
+    def to_json(self) -> dict:
+        return {"exploration": self.exploration, "decisions": self.decisions,
+                "table": [[list(state), action, self.q[(state, action)], self.n[(state, action)]]
+                          for (state, action) in sorted(self.q, key=str)]}
+
+    def save(self, path: str | Path) -> Path:
+        """Atomically (a temporary file renamed over ``path``)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(handle, "w") as out:
+            json.dump(self.to_json(), out)
+        os.replace(temporary, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> FeatherBandit:
+        try:
+            data = json.loads(Path(path).read_text())
+            bandit = cls(float(data["exploration"]))
+            bandit.decisions = int(data.get("decisions", 0))
+            for state, action, q, n in data["table"]:
+                if action not in ACTIONS:
+                    raise ValueError(f"unknown action {action!r}")
+                bandit.q[(tuple(state), action)], bandit.n[(tuple(state), action)] = float(q), int(n)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"cannot read the Feather state {path}: {err}") from None
+        return bandit
+
+
+class FeatherAdmission:
+    """Forms the running batch from the waiting requests, one ADD/STOP decision at a time.
+
+    ``admit(now, batch_size, capacity, waited_s)`` returns the requests to admit this step (in
+    order) and remembers the decisions; ``reward(batch_size, step_s)`` credits them once the
+    step has run. ``waited_s(request_id)`` is how long a request has waited."""
+
+    def __init__(self, tree, bandit: FeatherBandit | None = None, max_wait_s: float = 10.0,
+                 learn: bool = True) -> None:
+        self.tree, self.bandit = tree, bandit or FeatherBandit()
+        self.max_wait_s, self.learn = max_wait_s, learn
+        self.pending: list[tuple[tuple, str]] = []
+        self.name = "feather"
+
+    def admit(self, batch_size: int, capacity: int, waited_s) -> list[str]:
+        chosen = []
+        while batch_size + len(chosen) < capacity:  # the age bound first: no request starves
+            oldest = self.tree.oldest_request()
+            if oldest is None or waited_s(oldest) <= self.max_wait_s:
+                break
+            self.tree.activate(oldest)
+            chosen.append(oldest)
+        while batch_size + len(chosen) < capacity:
+            candidate = self.tree.best_request()
+            if candidate is None:
+                break
+            missing = self.tree.missing[candidate]
+            if missing > 0 and batch_size + len(chosen) > 0:
+                state = state_of(batch_size + len(chosen), missing, self.tree.shared_chunks(candidate),
+                                 self.tree.waiting_sharing_first_chunk(candidate))
+                action = self.bandit.choose(state) if self.learn else (self.bandit.greedy(state) or ADD)
+                self.pending.append((state, action))
+                if action == STOP:
+                    break
+            self.tree.activate(candidate)
+            chosen.append(candidate)
+        return chosen
+
+    def reward(self, batch_size: int, step_s: float) -> None:
+        if self.pending and step_s > 0 and self.learn:
+            self.bandit.credit(self.pending, batch_size / step_s)
+        self.pending = []

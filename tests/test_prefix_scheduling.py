@@ -1,0 +1,187 @@
+"""The Chunked Hash Tree and the radix-tree baseline against a brute-force reference."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from preft.rule import AdapterRule
+from preft.serving.scheduling.chunked_hash_tree import ChunkedHashTree, chunk_keys
+from preft.serving.scheduling.radix_tree import RadixTree, adapter_sequence
+
+CHUNK = 8
+
+
+def brute_missing(keys: dict, active: set, request_id: str) -> int:
+    working = {key for other in active for key in keys[other]}
+    return sum(1 for key in keys[request_id] if key not in working)
+
+
+def random_prompt(rng: random.Random, systems: list[list[int]]) -> list[int]:
+    system = rng.choice(systems)
+    return system[: rng.randrange(0, len(system) + 1)] + [rng.randrange(100) for _ in range(rng.randrange(0, 30))]
+
+
+def test_cht_and_radix_tree_agree_with_brute_force_on_random_operations():
+    rng = random.Random(0)
+    systems = [[rng.randrange(100) for _ in range(64)] for _ in range(4)]
+    adapters = [(None, None), ("alice", AdapterRule(prefill_only=True, adapter_start=32)),
+                ("bob", AdapterRule(prefill_only=True, adapter_start=32)), ("carol", AdapterRule())]
+    cht, radix = ChunkedHashTree(), RadixTree(CHUNK)
+    keys, waiting, active, order = {}, [], set(), {}
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.35 or not (waiting or active):
+            request_id = f"r{step}"
+            tokens = random_prompt(rng, systems)
+            adapter, rule = rng.choice(adapters)
+            keys[request_id] = chunk_keys(tokens, CHUNK, adapter, rule)
+            cht.insert(request_id, keys[request_id])
+            radix.insert(request_id, adapter_sequence(tokens, CHUNK, adapter, rule))
+            waiting.append(request_id)
+            order[request_id] = step
+        elif op < 0.65 and waiting:
+            chosen = cht.best_request() if rng.random() < 0.5 else rng.choice(waiting)
+            cht.activate(chosen)
+            radix.activate(chosen)
+            waiting.remove(chosen)
+            active.add(chosen)
+        elif op < 0.9 and active:
+            chosen = rng.choice(sorted(active))
+            cht.finish(chosen)
+            radix.finish(chosen)
+            active.discard(chosen)
+        elif waiting:
+            chosen = rng.choice(waiting)
+            cht.remove(chosen)
+            radix.remove(chosen)
+            waiting.remove(chosen)
+        expected = {r: brute_missing(keys, active, r) for r in waiting}
+        assert cht.missing == expected
+        best = min(waiting, key=lambda r: (expected[r], order[r])) if waiting else None
+        assert cht.best_request() == best
+        if step % 10 == 0:
+            assert radix.best_request() == best
+            assert {r: radix.missing(r) for r in waiting} == expected
+
+
+def test_keys_before_adapter_start_are_the_base_models():
+    rng = random.Random(1)
+    system = [rng.randrange(100) for _ in range(64)]  # 8 chunks of 8
+    user = system + [rng.randrange(100) for _ in range(32)]
+    late = AdapterRule(prefill_only=True, adapter_start=64)
+    base = chunk_keys(user, CHUNK)
+    alice, bob = chunk_keys(user, CHUNK, "alice", late), chunk_keys(user, CHUNK, "bob", late)
+    # the system prompt's 8 chunks lie before adapter_start: one prefix group for everyone
+    assert alice[:8] == bob[:8] == base[:8]
+    assert len({alice[8], bob[8], base[8]}) == 3 and all(len({a, b}) == 2 for a, b in zip(alice[8:], bob[8:]))
+    # a chunk that straddles adapter_start carries the adapter
+    straddle = AdapterRule(prefill_only=True, adapter_start=60)
+    assert chunk_keys(user, CHUNK, "alice", straddle)[:7] == base[:7] != chunk_keys(user, CHUNK, "alice", straddle)[:8]
+    # all-token adapters (and adapter_start 0) change every chunk's KV
+    assert chunk_keys(user, CHUNK, "alice")[0] != base[0]
+    assert chunk_keys(user, CHUNK, "alice", AdapterRule(prefill_only=True))[0] != base[0]
+    # a level-k match implies every earlier level: keys chain
+    other = system[:40] + [999] + system[41:]
+    assert chunk_keys(other, CHUNK)[:5] == base[:5] and all(a != b for a, b in zip(chunk_keys(other, CHUNK)[5:], base[5:]))
+    assert len(chunk_keys(user[:20], CHUNK)) == 2  # a partial chunk has no key
+    with pytest.raises(ValueError):
+        chunk_keys(user, 0)
+
+
+def test_the_tree_refuses_inconsistent_operations():
+    cht = ChunkedHashTree()
+    cht.insert("a", chunk_keys(list(range(16)), CHUNK))
+    with pytest.raises(ValueError):
+        cht.insert("a", [])
+    with pytest.raises(KeyError):
+        cht.finish("a")
+    cht.activate("a")
+    with pytest.raises(KeyError):
+        cht.activate("a")
+    assert cht.best_request() is None and len(cht) == 0
+
+
+from preft.serving.scheduling.feather import ADD, STOP, FeatherAdmission, FeatherBandit, state_of  # noqa: E402
+
+
+def test_feather_states_and_ucb_decisions_on_hand_built_tables(tmp_path):
+    assert state_of(batch_size=3, missing=9, shared=1, sharing_waiting=0) == (2, 5, 0)  # lost clipped to 5
+    assert state_of(batch_size=40, missing=0, shared=12, sharing_waiting=20)[1] == -5
+    bandit = FeatherBandit(exploration=1.0)
+    state = (2, 3, 1)
+    assert bandit.choose(state) == ADD  # untried actions first, in order
+    bandit.credit([(state, ADD)], 10.0)
+    assert bandit.choose(state) == STOP
+    bandit.credit([(state, STOP)], 50.0)
+    assert bandit.choose(state) == STOP and bandit.greedy(state) == STOP  # 50 + bonus beats 10 + bonus
+    for _ in range(3):
+        bandit.credit([(state, STOP)], 0.0)  # STOP turns out badly: its mean falls to 12.5
+    assert bandit.q[(state, STOP)] == pytest.approx(12.5) and bandit.greedy(state) == STOP
+    bandit.credit([(state, ADD)], 30.0)
+    assert bandit.greedy(state) == ADD and bandit.q[(state, ADD)] == pytest.approx(20.0)
+    # a large exploration constant prefers the less tried action
+    explorer = FeatherBandit(exploration=1e6)
+    explorer.credit([(state, ADD)] * 50, 100.0)
+    explorer.credit([(state, STOP)], 0.0)
+    assert explorer.choose(state) == STOP
+    again = FeatherBandit.load(bandit.save(tmp_path / "feather.json"))
+    assert again.q == bandit.q and again.n == bandit.n
+    (tmp_path / "bad.json").write_text("{\"exploration\": 1, \"table\": [[[1], \"jump\", 0, 1]]}")
+    with pytest.raises(ValueError, match="Feather state"):
+        FeatherBandit.load(tmp_path / "bad.json")
+
+
+def test_feather_adds_what_shares_and_stops_where_it_learned_to():
+    rng = random.Random(3)
+    shared = [rng.randrange(100) for _ in range(64)]
+    tree = ChunkedHashTree()
+    tree.insert("first", chunk_keys(shared + [1, 2, 3], CHUNK))
+    for i in range(3):
+        tree.insert(f"same{i}", chunk_keys(shared + [10 + i] * 3, CHUNK))  # the same 8 chunks
+    tree.insert("other", chunk_keys([rng.randrange(100) for _ in range(64)], CHUNK))
+    bandit = FeatherBandit()
+    stop_state = state_of(4, 8, 0, 0)
+    bandit.q[(stop_state, STOP)], bandit.n[(stop_state, STOP)] = 1000.0, 100
+    bandit.q[(stop_state, ADD)], bandit.n[(stop_state, ADD)] = 1.0, 100
+    admission = FeatherAdmission(tree, bandit, max_wait_s=60.0)
+    chosen = admission.admit(batch_size=0, capacity=8, waited_s=lambda r: 0.0)
+    # the empty batch takes the first; the sharers lose nothing; the stranger is the bandit's call
+    assert chosen == ["first", "same0", "same1", "same2"] and admission.pending == [(stop_state, STOP)]
+    admission.reward(batch_size=4, step_s=0.01)
+    assert bandit.n[(stop_state, STOP)] == 101 and admission.pending == []
+
+
+def stranger_admitted_at(max_wait_s: float) -> int | None:
+    """Adversarial arrivals: three requests sharing one prefix arrive each second, and one
+    stranger at t=0; a bandit table says STOP to anything that loses chunks. When does the
+    stranger get in (None: not within 40 s)?"""
+    rng = random.Random(4)
+    shared = [rng.randrange(100) for _ in range(64)]
+    tree, bandit = ChunkedHashTree(), FeatherBandit()
+    for state in itertools.product(range(9), range(1, 6), range(7)):
+        bandit.q[(state, STOP)], bandit.q[(state, ADD)] = 1.0, 0.0
+    admission = FeatherAdmission(tree, bandit, max_wait_s=max_wait_s, learn=False)
+    tree.insert("seed", chunk_keys(shared, CHUNK))
+    tree.activate("seed")  # the shared prefix is running
+    arrived = {"stranger": 0.0}
+    tree.insert("stranger", chunk_keys([rng.randrange(100) for _ in range(64)], CHUNK))
+    running: list[str] = ["seed"]
+    for now in range(40):
+        for i in range(3):
+            arrived[f"s{now}-{i}"] = float(now)
+            tree.insert(f"s{now}-{i}", chunk_keys(shared + [now, i] * 4, CHUNK))
+        chosen = admission.admit(len(running), capacity=4, waited_s=lambda r: now - arrived[r])
+        if "stranger" in chosen:
+            return now
+        running += chosen
+        while len(running) > 2:  # requests finish, making room
+            tree.finish(running.pop(0))
+    return None
+
+
+def test_feather_never_starves_a_request_whose_prefix_nobody_shares():
+    assert stranger_admitted_at(max_wait_s=5.0) == 6  # the first step after it has waited 5 s
+    assert stranger_admitted_at(max_wait_s=1e9) is None  # without the age bound: starved
