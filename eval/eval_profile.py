@@ -176,7 +176,7 @@ def fit_and_report(steps: list[dict], gaps: list[float], held_description: str, 
     plot(steps, check, profile_dir / f"profile_{file_stem}.png",
          f"{label}: step time, measured vs fitted (held-out median error {result['median_relative_error']:.0%})")
     weights = ", ".join(f"{f}: {1e3 * w:.4g}" for f, w in zip(cost_model.to_json()["features"], cost_model.weights))
-    markdown = (f"### Step cost model: {label}\n\n![profile](profile_{file_stem}.png)\n\n"
+    markdown = (f"## Step cost model: {label}\n\n![profile](profile_{file_stem}.png)\n\n"
                 f"Command: `{command}` ({result['machine']}). {len(steps)} measured steps; {len(held)} of them "
                 f"held out ({held_description}) and predicted by a fit on the rest: relative error median "
                 f"{result['median_relative_error']:.1%}, p95 {result['p95_relative_error']:.1%}. Between steps the "

@@ -155,6 +155,8 @@ def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
         found[markdown.stem] = (markdown, [f"{markdown.stem}.png"])
     if (root / "goodput" / "goodput.md").is_file():
         found["goodput"] = (root / "goodput" / "goodput.md", ["goodput_sim.png", "goodput_engine.png"])
+    if (root / "prefix" / "prefix.md").is_file():
+        found["prefix"] = (root / "prefix" / "prefix.md", [])
     return {name: (markdown, [p for p in pictures if (markdown.parent / p).is_file()])
             for name, (markdown, pictures) in found.items()}
 

@@ -16,6 +16,8 @@ EVALS = {
                                            "context) that SLOWeave and the simulator use"),
     "goodput": ("preft.eval.eval_goodput", "SLOWeave vs fixed prefill chunks and vLLM's default: goodput in the "
                                            "simulator on four workloads and on the real engine, with the gap"),
+    "prefix": ("preft.eval.eval_prefix", "prefix-aware scheduling: CHT vs radix-tree selection cost, and what a "
+                                         "shared-prefix decode batch gains on this attention path"),
     "soak": ("preft.eval.eval_soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
     "report": ("preft.eval.eval_report", "every eval result in one report, and the accuracy/throughput figure"),
 }

@@ -185,3 +185,76 @@ def stranger_admitted_at(max_wait_s: float) -> int | None:
 def test_feather_never_starves_a_request_whose_prefix_nobody_shares():
     assert stranger_admitted_at(max_wait_s=5.0) == 6  # the first step after it has waited 5 s
     assert stranger_admitted_at(max_wait_s=1e9) is None  # without the age bound: starved
+
+
+from preft.serving.scheduling import workloads  # noqa: E402
+from preft.serving.scheduling.admission import FeatherOrder, FirstComeFirstServed, LongestPrefixMatch  # noqa: E402
+from preft.serving.scheduling.chunk_policies import VllmDefault  # noqa: E402
+from preft.serving.scheduling.cost_model import StepCostModel  # noqa: E402
+from preft.serving.scheduling.prefix_cache import PrefixCache, workload_keys  # noqa: E402
+from preft.serving.scheduling.simulator import Simulator  # noqa: E402
+
+
+def test_workload_keys_share_the_group_prefix_and_honour_adapter_start():
+    a = workloads.RequestSpec("a", 0.0, 100, 5, prefix_group=1, prefix_tokens=64)
+    b = workloads.RequestSpec("b", 0.0, 90, 5, prefix_group=1, prefix_tokens=64)
+    ka, kb = workload_keys(a, 16), workload_keys(b, 16)
+    assert ka[:4] == kb[:4] and ka[4] != kb[4] and len(ka) == 6 and len(kb) == 5
+    late = AdapterRule(prefill_only=True, adapter_start=64)
+    alice = workload_keys(workloads.RequestSpec("c", 0.0, 100, 5, adapter="alice", prefix_group=1, prefix_tokens=64),
+                          16, late)
+    bob = workload_keys(workloads.RequestSpec("d", 0.0, 100, 5, adapter="bob", prefix_group=1, prefix_tokens=64),
+                        16, late)
+    assert alice[:4] == bob[:4] == ka[:4]  # before adapter_start: one group for every user
+    all_token = workload_keys(workloads.RequestSpec("e", 0.0, 100, 5, adapter="alice", prefix_group=1,
+                                                    prefix_tokens=64), 16)
+    assert all_token[0] != ka[0]  # keyed by adapter from the first block, as vLLM's cache keys LoRA blocks
+
+
+def test_the_prefix_cache_hits_pins_and_evicts_least_recently_used():
+    cache = PrefixCache(capacity_blocks=10, block_tokens=16)
+    first = [(1, "g0", None), (2, "g0", None), (3, "r1", None)]
+    assert cache.admit(first, prompt_tokens=48, output_tokens=16) == 0 and cache.used() == 4
+    second = [(1, "g0", None), (2, "g0", None), (3, "r2", None)]
+    assert cache.admit(second, 48, 16) == 32 and cache.used() == 6  # two blocks shared, not copied
+    big = [(level, "r3", None) for level in range(1, 7)]
+    assert cache.admit(big, 96, 0) is None  # 6 blocks; 4 free and nothing unpinned to evict
+    cache.finish(first, 48, 16)
+    assert cache.used() == 5 and cache.admit(big, 96, 0) == 0  # r1's block evicted, g0's stay (pinned by r2)
+    assert (3, "r1", None) not in cache.cached and (1, "g0", None) in cache.cached
+    assert cache.admit([(1, "g0", None)], 16, 4) is None  # full: the hit block is there, its output's is not
+    cache.finish(big, 96, 0)
+    assert cache.admit([(1, "g0", None)], 16, 4) == 15  # a full hit still computes the last prompt token
+
+
+def simulate_prefix(order, work, capacity_blocks=600, rules=None):
+    cost = StepCostModel.synthetic()
+    sim = Simulator(cost, VllmDefault(), max_num_seqs=64, max_num_batched_tokens=2304, admission=order,
+                    prefix_cache=lambda: PrefixCache(capacity_blocks, 16), adapter_rules=rules or {})
+    return sim.run(work)
+
+
+def test_prefix_orders_in_the_simulator():
+    work = workloads.prefix_workload("shared", 600, rate=300, groups=20, max_model_len=512)  # a queue forms
+    results = {name: simulate_prefix(order, work) for name, order in
+               (("fcfs", lambda c: FirstComeFirstServed()), ("lpm", lambda c: LongestPrefixMatch(c)),
+                ("feather", lambda c: FeatherOrder()))}
+    for result in results.values():
+        assert sorted(t.arrival_s for t in result.timings) == [r.arrival_s for r in work]  # every request served
+    # longest prefix match reorders for cache hits: with groups that do not all fit, fewer steps
+    assert results["lpm"].steps < results["fcfs"].steps and results["lpm"].clock_s < results["fcfs"].clock_s
+    control = workloads.prefix_workload("no-sharing", 300, rate=40, max_model_len=512)
+    assert all(r.prefix_group is None for r in control)
+    same = [simulate_prefix(order, control).clock_s for order in (lambda c: FirstComeFirstServed(),
+                                                                  lambda c: LongestPrefixMatch(c))]
+    assert same[0] == same[1]  # nothing shared: LPM is FCFS
+
+
+def test_per_user_prefill_only_adapters_share_the_system_prompt():
+    work = workloads.prefix_workload("per-user", 300, rate=40, adapters=8, max_model_len=512)
+    start = 512 * 60 // 100
+    assert {r.adapter for r in work} == {f"user{i}" for i in range(8)} and {r.prefix_tokens for r in work} == {start}
+    prefill_only = {f"user{i}": AdapterRule(prefill_only=True, adapter_start=start) for i in range(8)}
+    shared = simulate_prefix(lambda c: FirstComeFirstServed(), work, rules=prefill_only)
+    keyed = simulate_prefix(lambda c: FirstComeFirstServed(), work, rules={})  # all-token: keyed by adapter
+    assert shared.clock_s < keyed.clock_s  # the system prompt's KV is computed once for all users

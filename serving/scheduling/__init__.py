@@ -9,6 +9,10 @@ run the same objects.
 - :mod:`.workloads` — seeded workloads (chat, mixed, long, bursty), also as ``vllm bench serve``
   timed traces.
 - :mod:`.simulator` — the event-driven simulator; :mod:`.metrics` — TTFT, TPOT, goodput.
+- :mod:`.chunked_hash_tree` — the CHT: the waiting request sharing the most prefix with the
+  running batch in O(log W), with PreFT-aware keys; :mod:`.radix_tree` — the radix-tree
+  (longest-prefix-match) baseline behind the same interface.
+- :mod:`.feather` — Feather's ADD/STOP bandit over the CHT while a batch forms.
 
 The engine side is :class:`preft.serving.scheduler.PreftScheduler`.
 """

@@ -133,27 +133,35 @@ class FeatherAdmission:
         self.pending: list[tuple[tuple, str]] = []
         self.name = "feather"
 
+    def candidate(self, batch_size: int, capacity: int, waited_s) -> str | None:
+        """The next request to admit into a batch of ``batch_size`` (not yet activated: see
+        :meth:`take`), or None: the batch is full, nothing waits, or the bandit said STOP."""
+        if batch_size >= capacity:
+            return None
+        oldest = self.tree.oldest_request()  # the age bound first: no request starves
+        if oldest is not None and waited_s(oldest) > self.max_wait_s:
+            return oldest
+        candidate = self.tree.best_request()
+        if candidate is None:
+            return None
+        missing = self.tree.missing[candidate]
+        if missing > 0 and batch_size > 0:
+            state = state_of(batch_size, missing, self.tree.shared_chunks(candidate),
+                             self.tree.waiting_sharing_first_chunk(candidate))
+            action = self.bandit.choose(state) if self.learn else (self.bandit.greedy(state) or ADD)
+            self.pending.append((state, action))
+            if action == STOP:
+                return None
+        return candidate
+
+    def take(self, request_id: str) -> None:
+        self.tree.activate(request_id)
+
     def admit(self, batch_size: int, capacity: int, waited_s) -> list[str]:
+        """Every request :meth:`candidate` admits, in order (each activated)."""
         chosen = []
-        while batch_size + len(chosen) < capacity:  # the age bound first: no request starves
-            oldest = self.tree.oldest_request()
-            if oldest is None or waited_s(oldest) <= self.max_wait_s:
-                break
-            self.tree.activate(oldest)
-            chosen.append(oldest)
-        while batch_size + len(chosen) < capacity:
-            candidate = self.tree.best_request()
-            if candidate is None:
-                break
-            missing = self.tree.missing[candidate]
-            if missing > 0 and batch_size + len(chosen) > 0:
-                state = state_of(batch_size + len(chosen), missing, self.tree.shared_chunks(candidate),
-                                 self.tree.waiting_sharing_first_chunk(candidate))
-                action = self.bandit.choose(state) if self.learn else (self.bandit.greedy(state) or ADD)
-                self.pending.append((state, action))
-                if action == STOP:
-                    break
-            self.tree.activate(candidate)
+        while (candidate := self.candidate(batch_size + len(chosen), capacity, waited_s)) is not None:
+            self.take(candidate)
             chosen.append(candidate)
         return chosen
 

@@ -15,8 +15,12 @@ The engine it models is vLLM's continuous batching, step by step:
    next schedule, which the engine's SLOWeave also sees as time already gone).
 
 Between steps nothing happens, so the clock jumps from step to step (and to the next arrival
-when the engine is idle): 10k requests simulate in seconds. Not modelled: KV-cache capacity and
-preemption, prefix caching (Scheduling II adds prefixes).
+when the engine is idle): 10k requests simulate in seconds. Not modelled: preemption, and KV
+capacity unless a prefix cache is given.
+
+With ``prefix_cache`` (:class:`.prefix_cache.PrefixCache`) a request's cached prefix blocks are
+not computed again and admission waits for KV blocks; with ``admission`` (:mod:`.admission`)
+the waiting requests join in that order (FCFS, LPM, Feather) instead of first come first served.
 """
 
 from __future__ import annotations
@@ -61,15 +65,27 @@ class Simulator:
     budget; ``gap_s`` the time between one step's tokens and the next step's decision."""
 
     def __init__(self, cost_model: StepCostModel, policy, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, gap_s: float | None = None, record_shapes: bool = False) -> None:
+                 max_num_batched_tokens: int = 2048, gap_s: float | None = None, record_shapes: bool = False,
+                 admission=None, prefix_cache=None, adapter_rules: dict | None = None) -> None:
         self.cost_model, self.policy = cost_model, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.gap_s = cost_model.meta.get("gap_s", 0.0) if gap_s is None else gap_s
         self.record_shapes = record_shapes
+        self.admission_factory = admission  # callable: a fresh admission order per run (None: FCFS)
+        self.prefix_cache_factory = prefix_cache  # callable: a fresh PrefixCache per run (None: no cache)
+        self.adapter_rules = adapter_rules or {}
 
     def run(self, workload: list[RequestSpec]) -> SimulationResult:
+        from preft.serving.scheduling.admission import FirstComeFirstServed
+        from preft.serving.scheduling.prefix_cache import workload_keys
+
+        cache = self.prefix_cache_factory() if self.prefix_cache_factory else None
+        admission = self.admission_factory(cache) if self.admission_factory else FirstComeFirstServed()
+        block = cache.block_tokens if cache else 16
+        keys: dict[str, list] = {}
+        specs: dict[str, RequestSpec] = {}
         arrivals = deque(sorted(workload, key=lambda r: r.arrival_s))
-        waiting: deque[RequestSpec] = deque()
+        waiting = admission  # the waiting requests live in the admission order
         running: list[_Running] = []
         timings: list[RequestTiming] = []
         shapes: list[tuple[int, int, int]] = []
@@ -77,9 +93,12 @@ class Simulator:
         waiting_tokens = 0  # prompt tokens of the waiting queue, kept as it changes (no rescan per step)
         while arrivals or waiting or running:
             while arrivals and arrivals[0].arrival_s <= now:
-                waiting.append(arrivals.popleft())
-                waiting_tokens += waiting[-1].prompt_tokens
-            if not waiting and not running:
+                spec = arrivals.popleft()
+                specs[spec.request_id] = spec
+                keys[spec.request_id] = workload_keys(spec, block, self.adapter_rules.get(spec.adapter))
+                admission.arrive(spec.request_id, keys[spec.request_id], spec.arrival_s)
+                waiting_tokens += spec.prompt_tokens
+            if not len(waiting) and not running:
                 now = arrivals[0].arrival_s
                 continue
             decodes = [r for r in running if not r.prefilling]
@@ -108,24 +127,37 @@ class Simulator:
                     token_budget -= chunk
                     prefill_budget -= chunk
                     context += request.computed
-            while waiting and len(running) < self.max_num_seqs and token_budget > 0 and prefill_budget > 0:
-                request = _Running(waiting.popleft())
-                waiting_tokens -= request.spec.prompt_tokens
+            while token_budget > 0 and prefill_budget > 0:
+                request_id = admission.candidate(now, len(running), self.max_num_seqs)
+                if request_id is None:
+                    break
+                spec = specs[request_id]
+                computed = 0
+                if cache is not None:
+                    computed = cache.admit(keys[request_id], spec.prompt_tokens, spec.output_tokens)
+                    if computed is None:  # its blocks do not fit: admission waits, as vLLM's does
+                        break
+                admission.take(request_id)
+                request = _Running(spec, computed=computed)
+                waiting_tokens -= spec.prompt_tokens
                 running.append(request)
-                chunk = min(request.spec.prompt_tokens, token_budget, prefill_budget)
+                chunk = min(spec.prompt_tokens - computed, token_budget, prefill_budget)
                 scheduled.append((request, chunk))
                 token_budget -= chunk
                 prefill_budget -= chunk
-            if not scheduled:  # nothing could run (a policy that starves prefill with no decodes)
+            if not scheduled:  # nothing could run: a policy that starves prefill, or a cache too small
                 raise RuntimeError(f"policy {getattr(self.policy, 'name', self.policy)} scheduled nothing "
-                                   f"at t={now:.3f}s with {len(waiting)} waiting and no decodes")
+                                   f"at t={now:.3f}s with {len(waiting)} waiting and no decodes (a request "
+                                   f"larger than the KV cache?)")
             n = sum(1 for request, tokens in scheduled if not request.prefilling)
             c = sum(tokens for request, tokens in scheduled if request.prefilling)
             if self.record_shapes:
                 shapes.append((n, c, context))
-            end = now + self.cost_model(n, c, context)  # the step's tokens exist at its end
+            step_s = self.cost_model(n, c, context)
+            end = now + step_s  # the step's tokens exist at its end
             now = end + self.gap_s  # the next step is decided after the engine's gap
             steps += 1
+            admission.reward(len(scheduled), step_s)
             for request, tokens in scheduled:
                 request.computed += tokens
                 if request.prefilling:
@@ -137,6 +169,10 @@ class Simulator:
             still = []
             for request in running:
                 if request.generated >= request.spec.output_tokens:
+                    admission.finish(request.spec.request_id)
+                    if cache is not None:
+                        cache.finish(keys[request.spec.request_id], request.spec.prompt_tokens,
+                                     request.spec.output_tokens)
                     timings.append(RequestTiming(request.spec.arrival_s, request.first_token_s, end,
                                                  request.generated))
                 else:

@@ -126,3 +126,40 @@ def read_trace(path: str | Path) -> list[RequestSpec]:
         except KeyError as err:
             raise ValueError(f"{path}: line {index + 1} has no {err} field") from None
     return requests
+
+
+PREFIX_VARIANTS = ("shared", "per-user", "no-sharing")
+
+
+def prefix_workload(variant: str, count: int, rate: float, groups: int = 10, seed: int = 0,
+                    max_model_len: int = 512, adapters: int = 8) -> list[RequestSpec]:
+    """Shared-prefix workloads (Poisson arrivals at ``rate``), lengths scaled to the context:
+
+    - ``shared``: ``groups`` prefix groups (1-100), each a prefix of 40-70% of the context, then a
+      unique suffix of 8-32 tokens; outputs of 1-200 tokens (what fits);
+    - ``per-user``: one shared system prompt (60% of the context) and ``adapters`` users, each
+      request on adapter ``user{i}``; the users' prefill-only adapters start at the system
+      prompt's end (``adapter_start``), so its KV is the base model's;
+    - ``no-sharing``: the ``shared`` lengths, every prompt unique (the control).
+    """
+    if variant not in PREFIX_VARIANTS:
+        raise ValueError(f"unknown prefix workload {variant!r} (choose from {', '.join(PREFIX_VARIANTS)})")
+    if count < 1 or rate <= 0 or not 1 <= groups <= 100 or adapters < 1:
+        raise ValueError("a prefix workload needs count >= 1, rate > 0, 1 <= groups <= 100, adapters >= 1")
+    rng = random.Random(f"prefix-{variant}-{seed}")
+    arrivals = _arrivals("poisson", rng, count, rate)
+    if variant == "per-user":
+        lengths = [max_model_len * 60 // 100]
+    else:
+        lengths = [rng.randint(max_model_len * 40 // 100, max_model_len * 70 // 100) for _ in range(groups)]
+    requests = []
+    for index, arrival in enumerate(arrivals):
+        group = rng.randrange(len(lengths))
+        prefix = lengths[group]
+        prompt = prefix + rng.randint(8, 32)
+        output = max(1, min(rng.randint(1, 200), max_model_len - prompt - 1))
+        adapter = f"user{index % adapters}" if variant == "per-user" else None
+        shared = variant != "no-sharing"
+        requests.append(RequestSpec(f"{variant}-{seed}-{index}", round(arrival, 6), prompt, output, adapter=adapter,
+                                    prefix_group=group if shared else None, prefix_tokens=prefix if shared else 0))
+    return requests

@@ -1,0 +1,100 @@
+"""Which waiting request joins the running batch next: FCFS, LPM and Feather, one interface.
+
+The simulator asks, while a step has room::
+
+    candidate(now, batch_size, capacity) -> request id | None     (None: admit no more this step)
+    take(request_id)                                               (it was admitted)
+
+and tells ``arrive``, ``finish`` and, after each step, ``reward(batch_size, step_s)``.
+
+- :class:`FirstComeFirstServed`: arrival order (vLLM's default).
+- :class:`LongestPrefixMatch`: the waiting request with the most blocks already in the prefix
+  cache, oldest first among equals (SGLang's LPM). One cache walk per waiting request per
+  selection, as SGLang does.
+- :class:`FeatherOrder`: :class:`~preft.serving.scheduling.feather.FeatherAdmission` over a
+  :class:`~preft.serving.scheduling.chunked_hash_tree.ChunkedHashTree` of the working set.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from preft.serving.scheduling.chunked_hash_tree import ChunkedHashTree
+from preft.serving.scheduling.feather import FeatherAdmission, FeatherBandit
+
+
+class FirstComeFirstServed:
+    name = "fcfs"
+
+    def __init__(self) -> None:
+        self.queue: deque[str] = deque()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def arrive(self, request_id: str, keys: list, now: float) -> None:
+        self.queue.append(request_id)
+
+    def candidate(self, now: float, batch_size: int, capacity: int) -> str | None:
+        return self.queue[0] if self.queue and batch_size < capacity else None
+
+    def take(self, request_id: str) -> None:
+        self.queue.popleft()
+
+    def finish(self, request_id: str) -> None:
+        pass
+
+    def reward(self, batch_size: int, step_s: float) -> None:
+        pass
+
+
+class LongestPrefixMatch(FirstComeFirstServed):
+    name = "lpm"
+
+    def __init__(self, cache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.keys: dict[str, list] = {}
+
+    def arrive(self, request_id: str, keys: list, now: float) -> None:
+        super().arrive(request_id, keys, now)
+        self.keys[request_id] = keys
+
+    def candidate(self, now: float, batch_size: int, capacity: int) -> str | None:
+        if not self.queue or batch_size >= capacity:
+            return None
+        return max(self.queue, key=lambda r: self.cache.hit_blocks(self.keys[r]))  # max: the first of equals
+
+    def take(self, request_id: str) -> None:
+        self.queue.remove(request_id)
+        del self.keys[request_id]
+
+
+class FeatherOrder:
+    name = "feather"
+
+    def __init__(self, bandit: FeatherBandit | None = None, max_wait_s: float = 10.0, learn: bool = True) -> None:
+        self.tree = ChunkedHashTree()
+        self.admission = FeatherAdmission(self.tree, bandit, max_wait_s=max_wait_s, learn=learn)
+        self.arrived: dict[str, float] = {}
+        self.now = 0.0
+
+    def __len__(self) -> int:
+        return len(self.tree)
+
+    def arrive(self, request_id: str, keys: list, now: float) -> None:
+        self.tree.insert(request_id, keys)
+        self.arrived[request_id] = now
+
+    def candidate(self, now: float, batch_size: int, capacity: int) -> str | None:
+        return self.admission.candidate(batch_size, capacity, lambda r: now - self.arrived[r])
+
+    def take(self, request_id: str) -> None:
+        self.admission.take(request_id)
+        del self.arrived[request_id]
+
+    def finish(self, request_id: str) -> None:
+        self.tree.finish(request_id)
+
+    def reward(self, batch_size: int, step_s: float) -> None:
+        self.admission.reward(batch_size, step_s)
