@@ -78,3 +78,22 @@ def test_goodput_runs_the_simulator_and_the_real_engine_side_by_side(profile, tm
     assert "<!-- bench:eval_goodput -->" in docs and "(results/eval_goodput_engine.png)" in docs
     assert (tmp_path / "docs" / "results" / "eval_goodput_sim.png").is_file()
     assert "(goodput/goodput_sim.png)" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_prefix_eval_measures_both_structures_and_a_shared_prefix_decode_batch(tmp_path):
+    from preft.eval import eval_prefix
+
+    result = eval_prefix.main(parts="cost,decode-batch", waiting="20,60", model="default", batch=4,
+                              prefix_tokens=64, out=str(tmp_path))
+    for row in result["cost"]:
+        assert row["same_picks"] and len(row["cht"]["picks"]) == eval_prefix.SELECTIONS
+        assert row["cht"]["selection_s"] > 0 and row["radix"]["selection_s"] > 0
+    assert [row["waiting"] for row in result["cost"]] == [20, 60]
+    decode = result["decode_batch"]
+    for phase in ("shared", "distinct"):
+        assert decode[phase]["decode_steps"] > 0 and len(decode[phase]["per_round_median_ms"]) == decode["repeats"]
+    assert decode["shared_vs_distinct"] == pytest.approx(decode["shared"]["median_ms"] / decode["distinct"]["median_ms"])
+    assert "| 60 |" in (tmp_path / "prefix" / "prefix.md").read_text()
+    with pytest.raises(ValueError, match="unknown part"):
+        eval_prefix.main(parts="speed", out=str(tmp_path))
