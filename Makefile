@@ -39,11 +39,16 @@ bench: install
 	$(BIN)/preft bench throughput --model 512x8 --adapters 1,8,64 --prompts 64 --rounds 3
 	$(BIN)/preft bench soak
 
-# The eval harness on the embedded model, its sections into docs/RESULTS.md (about 35 minutes).
+# The eval harness, its sections into docs/RESULTS.md (about 60 minutes on 2 cores): loss, serving
+# and RL on the embedded model; step cost models, SLOWeave goodput (512x8) and prefix scheduling.
 eval: install
 	$(BIN)/preft eval loss --out runs/eval_results
 	$(BIN)/preft eval serve --adapters 8 --kinds lora,reft --num-prompts 128 --output-len 64 --out runs/eval_results
 	$(BIN)/preft eval rl --out runs/eval_results
+	$(BIN)/preft eval profile --model default --served --out runs/eval_results
+	$(BIN)/preft eval profile --model 512x8 --served --out runs/eval_results
+	$(BIN)/preft eval goodput --model 512x8 --out runs/eval_results
+	$(BIN)/preft eval prefix --out runs/eval_results
 	$(BIN)/preft eval report --out runs/eval_results --write-docs
 
 # Rebuild the embedded default base model (about 15 minutes on 2 CPU cores).
