@@ -150,8 +150,11 @@ def test_feather_adds_what_shares_and_stops_where_it_learned_to():
     chosen = admission.admit(batch_size=0, capacity=8, waited_s=lambda r: 0.0)
     # the empty batch takes the first; the sharers lose nothing; the stranger is the bandit's call
     assert chosen == ["first", "same0", "same1", "same2"] and admission.pending == [(stop_state, STOP)]
-    admission.reward(batch_size=4, step_s=0.01)
+    admission.reward(batch_size=4, step_s=0.2, prefill_tokens=300)  # the admitted prompts still prefill
+    assert bandit.n[(stop_state, STOP)] == 100 and admission.pending == [(stop_state, STOP)]
+    admission.reward(batch_size=4, step_s=0.01)  # the batch's first decode step: credited now
     assert bandit.n[(stop_state, STOP)] == 101 and admission.pending == []
+    assert bandit.q[(stop_state, STOP)] == pytest.approx((1000.0 * 100 + 400.0) / 101)
 
 
 def stranger_admitted_at(max_wait_s: float) -> int | None:

@@ -5,7 +5,7 @@ The simulator asks, while a step has room::
     candidate(now, batch_size, capacity) -> request id | None     (None: admit no more this step)
     take(request_id)                                               (it was admitted)
 
-and tells ``arrive``, ``finish`` and, after each step, ``reward(batch_size, step_s)``.
+and tells ``arrive``, ``finish`` and, after each step, ``reward(batch_size, step_s, prefill_tokens)``.
 
 - :class:`FirstComeFirstServed`: arrival order (vLLM's default).
 - :class:`LongestPrefixMatch`: the waiting request with the most blocks already in the prefix
@@ -44,7 +44,7 @@ class FirstComeFirstServed:
     def finish(self, request_id: str) -> None:
         pass
 
-    def reward(self, batch_size: int, step_s: float) -> None:
+    def reward(self, batch_size: int, step_s: float, prefill_tokens: int = 0) -> None:
         pass
 
 
@@ -96,5 +96,5 @@ class FeatherOrder:
     def finish(self, request_id: str) -> None:
         self.tree.finish(request_id)
 
-    def reward(self, batch_size: int, step_s: float) -> None:
-        self.admission.reward(batch_size, step_s)
+    def reward(self, batch_size: int, step_s: float, prefill_tokens: int = 0) -> None:
+        self.admission.reward(batch_size, step_s, prefill_tokens)

@@ -21,8 +21,8 @@ Otherwise tabular UCB picks the action::
     a = argmax_a  Q(s, a) + c · sqrt(ln N(s) / N(s, a))        (an untried action first)
 
 with ``c`` the exploration constant (the paper's ~200, in the reward's units). When the batch
-has run, its reward ``r = batch size / measured step time`` (requests per second) is credited
-to every decision that formed it: ``Q(s, a) += (r − Q(s, a)) / N(s, a)``. Learning is online;
+has run as a decode batch (its first step without prefill), its reward ``r = batch size /
+measured step time`` (requests per second) is credited to every decision that formed it: ``Q(s, a) += (r − Q(s, a)) / N(s, a)``. Learning is online;
 the table is saved and loaded as JSON (``--feather-state FILE``), and can be pretrained in the
 simulator.
 """
@@ -165,7 +165,12 @@ class FeatherAdmission:
             chosen.append(candidate)
         return chosen
 
-    def reward(self, batch_size: int, step_s: float) -> None:
+    def reward(self, batch_size: int, step_s: float, prefill_tokens: int = 0) -> None:
+        """Credit the batch's decisions once it runs as a decode batch: a step that still
+        prefills (the admitted requests' prompts) is not the batch's execution time, and
+        crediting it would teach the bandit that admitting is slow."""
+        if prefill_tokens > 0:
+            return
         if self.pending and step_s > 0 and self.learn:
             self.bandit.credit(self.pending, batch_size / step_s)
         self.pending = []

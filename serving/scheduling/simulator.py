@@ -157,7 +157,7 @@ class Simulator:
             end = now + step_s  # the step's tokens exist at its end
             now = end + self.gap_s  # the next step is decided after the engine's gap
             steps += 1
-            admission.reward(len(scheduled), step_s)
+            admission.reward(len(scheduled), step_s, c)
             for request, tokens in scheduled:
                 request.computed += tokens
                 if request.prefilling:
