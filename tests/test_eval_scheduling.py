@@ -46,7 +46,7 @@ def test_goodput_runs_the_simulator_and_the_real_engine_side_by_side(profile, tm
     out, profiled = profile
     result = eval_goodput.main(model="default", cost_model=profiled["cost_model_path"], workloads="chat,long",
                                policies="default,fixed:16,sloweave", tpot_scales="2", loads="0.5,1.5", requests=60,
-                               engine_policies="fixed:16,sloweave", engine_workload="mixed", engine_load=0.5,
+                               engine_policies="sloweave", engine_workload="mixed", engine_load=0.5,
                                engine_requests=24, out=str(tmp_path))
     rows = result["simulation"]
     assert {(r["workload"], r["load"], r["policy"]) for r in rows} == {
@@ -57,15 +57,13 @@ def test_goodput_runs_the_simulator_and_the_real_engine_side_by_side(profile, tm
     ttft = {r["load"]: r["ttft_ms_p50"] for r in rows if r["workload"] == "long" and r["policy"] == "default"}
     assert ttft[1.5] > ttft[0.5]
     fidelity = {r["policy"]: r for r in result["fidelity"]["rows"]}
-    assert set(fidelity) == {"fixed:16", "sloweave"}
+    assert set(fidelity) == {"sloweave"}  # one server keeps the test short; fixed chunks: test_chunk_policies_engine
     for policy, row in fidelity.items():
         assert row["failed"] == 0 and row["engine"]["requests"] == 24  # every request answered by the real server
         assert row["profiled"]["requests"] == row["in_situ"]["requests"] == 24
         assert row["step_error"]["measured_median_ms"] > 0
-    steps = [json.loads(line) for line in (tmp_path / "goodput" / "engine" / "steps-fixed16.jsonl").read_text().splitlines()]
-    assert steps and max(s["c"] for s in steps) <= 16 and all(s["policy"] == "fixed:16" for s in steps)
     weave = [json.loads(line) for line in (tmp_path / "goodput" / "engine" / "steps-sloweave.jsonl").read_text().splitlines()]
-    assert all(s["policy"] == "sloweave" and s["c"] <= s["budget"] for s in weave)
+    assert weave and all(s["policy"] == "sloweave" and s["c"] <= s["budget"] for s in weave)
     markdown = (tmp_path / "goodput" / "goodput.md").read_text()
     assert "| chat |" in markdown and "Ranking by goodput" in markdown
     for figure in ("goodput_sim.png", "goodput_engine.png"):
