@@ -2,8 +2,8 @@
 
 Passed to vLLM as ``scheduler_cls`` (:data:`preft.serving.SCHEDULER_CLS`; ``preft serve`` and
 :mod:`preft.serving.engine_driver` do it; with ``vllm.LLM`` pass
-``scheduler_cls=preft.serving.SCHEDULER_CLS``). It runs in the engine-core process. The
-scheduling policies of the next issues subclass it.
+``scheduler_cls=preft.serving.SCHEDULER_CLS``). It runs in the engine-core process and asks
+the plain-Python policies of :mod:`preft.serving.scheduling` each step (below).
 
 - **LoRA slots** (``max_loras``): a running prefill-only request with no active position left
   (:meth:`~preft.rule.AdapterRule.needs_adapter_from`) decodes on the base model, so its
