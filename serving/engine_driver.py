@@ -13,7 +13,8 @@ None}``; greedy decoding, exactly ``max_tokens`` tokens: EOS is never picked (``
 HF's ``min_new_tokens``: the parity tests) or picked and ignored (``ignore_eos``: the throughput
 benchmark, which spares the logits processor). ``generate`` answers the
 generated token ids of every request and the seconds ``llm.generate`` took (timed in the
-engine's process); ``set_scheduler`` switches the prefill chunk policy; ``metrics`` answers vLLM's preemption and prefix-cache-hit counters (engine
+engine's process); ``set_scheduler`` switches the prefill chunk policy; ``metrics`` answers
+vLLM's preemption and prefix-cache-hit counters (engine
 setting ``disable_log_stats=False``). The child prints vLLM's logs to the log file and our
 answers behind :data:`MARKER` on stdout.
 
