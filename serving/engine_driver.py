@@ -13,7 +13,7 @@ None}``; greedy decoding, exactly ``max_tokens`` tokens: EOS is never picked (``
 HF's ``min_new_tokens``: the parity tests) or picked and ignored (``ignore_eos``: the throughput
 benchmark, which spares the logits processor). ``generate`` answers the
 generated token ids of every request and the seconds ``llm.generate`` took (timed in the
-engine's process); ``set_scheduler`` switches the prefill chunk policy; ``metrics`` answers
+engine's process); ``set_scheduler`` switches the prefill chunk policy and admission order; ``metrics`` answers
 vLLM's preemption and prefix-cache-hit counters (engine
 setting ``disable_log_stats=False``). The child prints vLLM's logs to the log file and our
 answers behind :data:`MARKER` on stdout.
@@ -82,8 +82,8 @@ class EngineProcess:
                           "ignore_eos": ignore_eos})
 
     def set_scheduler(self, spec: dict) -> dict:
-        """Switch the engine's prefill chunk policy (a ``PREFT_SCHEDULER`` spec) from the next
-        request on. Needs the engine core in the engine's process: start the engine with
+        """Switch the engine's prefill chunk policy and admission order (a ``PREFT_SCHEDULER``
+        spec) from the next request on. Needs the engine core in the engine's process: start the engine with
         ``env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}``."""
         return self._ask({"scheduler": spec})
 
@@ -127,13 +127,13 @@ def _serve(spec: dict) -> None:
         if command.get("quit"):
             break
         if "scheduler" in command:
-            from preft.serving.scheduling.chunk_policies import policy_from_spec
-
             core = getattr(llm.llm_engine.engine_core, "engine_core", None)
             if core is None:
                 raise RuntimeError("set_scheduler needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core in process)")
-            core.scheduler.chunk_policy = policy_from_spec(command["scheduler"])
-            _reply({"scheduler": core.scheduler.chunk_policy.name})
+            core.scheduler.set_policies(command["scheduler"])
+            admission = core.scheduler.admission
+            _reply({"scheduler": core.scheduler.chunk_policy.name,
+                    "admission": admission.order.name if admission is not None else "fcfs"})
             continue
         if command.get("metrics"):
             metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}

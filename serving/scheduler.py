@@ -26,6 +26,14 @@ the plain-Python policies of :mod:`preft.serving.scheduling` each step (below).
   recorded here in ``update_from_output``; context and prefill tokens left) and returns the
   step's prefill budget; ``_reserve_prefill_lookahead`` hands it out to prefill chunks in
   vLLM's own order and never caps a decode. ``default`` leaves vLLM's scheduling untouched.
+- **Admission order** (``preft serve --scheduler lpm|feather``, combinable with a chunk policy:
+  ``feather+sloweave``): ``self.waiting`` becomes an
+  :class:`~preft.serving.admission_queue.AdmissionQueue`, so vLLM admits waiting requests in
+  the order's order (LPM: most cached blocks first; Feather: the CHT's fewest missing chunks,
+  the bandit's ADD/STOP, an age bound). After each step the order gets the step's reward
+  (Feather: batch size / step time, at the batch's first decode-only step); Feather's table is
+  written to ``feather_state`` (atomically) every 30 s and at shutdown. Every running request
+  decodes every step, as in vLLM and in the simulator: the batch is what admission made it.
 - ``PREFT_TRACE_SCHEDULER=FILE`` appends, per step, how many running requests and distinct
   LoRA adapters there are (used by the tests); ``PREFT_STEP_TRACE=FILE`` one JSON line per step
   with its shape and time (``preft eval profile`` fits the step cost model on it).
@@ -37,6 +45,7 @@ import json
 import logging
 import time
 
+from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
@@ -47,12 +56,14 @@ from preft.rule import bundle_rule
 from preft.serving.bundle_store import served_copy_problem
 from preft.serving.patching import require
 from preft.serving.reft import reft_bundle_of, reft_slots
+from preft.serving.scheduling.admission import admission_from_spec
 from preft.serving.scheduling.chunk_policies import StepView, VllmDefault, policy_from_spec
 
 logger = logging.getLogger(__name__)
 
 # the internals this subclass relies on (a vLLM release that moves them fails here, loudly)
-for _name in ("schedule", "_reserve_prefill_lookahead", "update_from_output", "add_request", "finish_requests"):
+for _name in ("schedule", "_reserve_prefill_lookahead", "update_from_output", "add_request", "finish_requests",
+              "_free_request", "shutdown"):
     require(Scheduler, _name)
 require(RequestStatus, "FINISHED_ERROR")
 
@@ -87,11 +98,10 @@ class PreftScheduler(Scheduler):
         self.step_reft_bundles: set[str] = set()
         self.refused: dict[str, str] = {}  # request id -> why its adapter cannot be served (arrived so)
         self.failed_unreported: list = []  # requests failed since the last output was made
-        self.chunk_policy = policy_from_spec(envs.PREFT_SCHEDULER)
-        if getattr(self.chunk_policy, "max_chunk", 0) > self.max_num_scheduled_tokens:
-            logger.warning("preft: the %s scheduler's largest chunk %d is over the engine's token budget %d "
-                           "(--max-num-batched-tokens): chunks stop at the budget", self.chunk_policy.name,
-                           self.chunk_policy.max_chunk, self.max_num_scheduled_tokens)
+        self.admission = None  # the AdmissionQueue when an admission order is set (None: vLLM's FCFS queue)
+        self.feather_state: str | None = None
+        self.feather_saved_s = time.monotonic()
+        self.set_policies(envs.PREFT_SCHEDULER)
         self.step_prefill_budget: int | None = None  # what is left of it this step; None: vLLM's own only
         self.step_budget_given: int | None = None
         self.last_token_s: dict[str, float] = {}  # request id -> monotonic time of its latest token
@@ -99,6 +109,48 @@ class PreftScheduler(Scheduler):
         self.last_output_s: float | None = None
         self.step_trace = envs.PREFT_STEP_TRACE
         logger.info("preft: prefill chunk policy %s", self.chunk_policy.name)
+
+    def set_policies(self, spec: dict) -> None:
+        """The chunk policy and admission order a scheduler spec names (``PREFT_SCHEDULER``; the
+        engine driver switches them between batches, while nothing waits)."""
+        from preft.serving.admission_queue import AdmissionQueue, EnginePrefixCache
+
+        if self.waiting:
+            raise RuntimeError("the scheduling policies change only while no request waits")
+        self.chunk_policy = policy_from_spec(spec)
+        if getattr(self.chunk_policy, "max_chunk", 0) > self.max_num_scheduled_tokens:
+            logger.warning("preft: the %s scheduler's largest chunk %d is over the engine's token budget %d "
+                           "(--max-num-batched-tokens): chunks stop at the budget", self.chunk_policy.name,
+                           self.chunk_policy.max_chunk, self.max_num_scheduled_tokens)
+        self.save_feather_state()  # the outgoing order's table, if it learned one
+        order = admission_from_spec(spec, cache=EnginePrefixCache(self.kv_cache_manager))
+        if order is not None and not self.cache_config.enable_prefix_caching:
+            raise ValueError(f"the {order.name} admission order keys requests by their prefix-cache blocks: "
+                             "it needs prefix caching on")
+        self.admission = AdmissionQueue(order, self) if order is not None else None
+        self.waiting = self.admission if order is not None else create_request_queue(self.policy)
+        self.feather_state = spec.get("feather_state")
+        logger.info("preft: prefill chunk policy %s, admission %s", self.chunk_policy.name,
+                    order.name if order is not None else "fcfs")
+
+    def save_feather_state(self) -> None:
+        """Feather's learned table to ``feather_state`` (atomically), when there is one."""
+        if self.admission is None or self.feather_state is None or self.admission.order.name != "feather":
+            return
+        try:
+            self.admission.order.admission.bandit.save(self.feather_state)
+        except OSError as err:  # the server goes on; the table is kept in memory
+            logger.error("preft: cannot write the Feather state %s: %s", self.feather_state, err)
+        self.feather_saved_s = time.monotonic()
+
+    def shutdown(self) -> None:
+        self.save_feather_state()
+        super().shutdown()
+
+    def _free_request(self, request, *args, **kwargs):
+        if self.admission is not None:
+            self.admission.finished(request.request_id)
+        return super()._free_request(request, *args, **kwargs)
 
     def add_request(self, request) -> None:
         super().add_request(request)
@@ -122,6 +174,8 @@ class PreftScheduler(Scheduler):
         self.step_prefill_budget = (None if isinstance(self.chunk_policy, VllmDefault)
                                     else self.chunk_policy.prefill_budget(self.step_view(now)))
         self.step_budget_given = self.step_prefill_budget
+        if self.admission is not None:
+            self.admission.new_step()
         hidden = []
         if self.lora_config:
             for request in self.running:
@@ -165,7 +219,7 @@ class PreftScheduler(Scheduler):
                 self.last_token_s[request_id] = now
         if len(self.last_token_s) > 2 * len(self.requests) + 64:  # forget finished requests
             self.last_token_s = {k: v for k, v in self.last_token_s.items() if k in self.requests}
-        if not self.step_trace or self.step_started_s is None:
+        if self.step_started_s is None or not (self.step_trace or self.admission is not None):
             return
         decodes = prefill = context = 0
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -178,11 +232,20 @@ class PreftScheduler(Scheduler):
                 decodes += 1
             else:
                 prefill += scheduled
+        if self.admission is not None:  # the order's reward for the batch that ran (Feather learns from it)
+            self.admission.order.reward(len(scheduler_output.num_scheduled_tokens), now - self.step_started_s,
+                                        prefill)
+            if self.feather_state and now - self.feather_saved_s > 30.0:
+                self.save_feather_state()
+        if not self.step_trace:
+            return
         gap = None if self.last_output_s is None else self.step_started_s - self.last_output_s
         with open(self.step_trace, "a") as handle:
             handle.write(json.dumps({"n": decodes, "c": prefill, "x": context,
                                      "seconds": now - self.step_started_s, "gap_s": gap,
-                                     "budget": self.step_budget_given, "policy": self.chunk_policy.name}) + "\n")
+                                     "budget": self.step_budget_given, "policy": self.chunk_policy.name,
+                                     "admission": self.admission.order.name if self.admission is not None else "fcfs",
+                                     "waiting": len(self.waiting), "running": len(self.running)}) + "\n")
 
     def update_from_output(self, scheduler_output, model_runner_output):
         self._record_step(scheduler_output, model_runner_output, time.monotonic())

@@ -27,6 +27,7 @@ from pathlib import Path
 from preft.export import ExportError
 from preft.serving import SCHEDULER_CLS
 from preft.serving.bundle_store import BundleStore
+from preft.serving.scheduling.admission import split_scheduler_name
 
 
 def vllm_lora_rank(max_rank: int) -> int:
@@ -57,9 +58,10 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
         argv += ["--served-model-name", served_name]
     if args.lora_adapters:
         argv += ["--lora-modules", *args.lora_adapters]
-    if args.scheduler != "default" and not any(a.startswith("--max-num-batched-tokens") for a in args.vllm_args):
+    chunk_policy = split_scheduler_name(args.scheduler)[1]
+    if chunk_policy != "default" and not any(a.startswith("--max-num-batched-tokens") for a in args.vllm_args):
         # the policy's chunk plus a decode token for every running request fit vLLM's token budget
-        sizes = args.scheduler.split(":", 1)[1].split(",") if ":" in args.scheduler else [args.max_chunk]
+        sizes = chunk_policy.split(":", 1)[1].split(",") if ":" in chunk_policy else [args.max_chunk]
         largest = max(int(size) for size in sizes)
         argv += ["--max-num-batched-tokens", str(largest + 256)]
     return argv + list(args.vllm_args)
@@ -91,8 +93,10 @@ def server_environment(args, base_dir: Path, reft_adapters: dict[str, str]) -> d
 
 
 def scheduler_spec(args) -> dict:
-    """The prefill chunk policy for the engine (``PREFT_SCHEDULER``), checked now: a bad name, a
-    missing TPOT target or an unreadable cost model is one error line before the model loads."""
+    """The prefill chunk policy and admission order for the engine (``PREFT_SCHEDULER``), checked
+    now: a bad name, a missing TPOT target, an unreadable cost model or Feather state is one error
+    line before the model loads."""
+    from preft.serving.scheduling.admission import admission_from_spec
     from preft.serving.scheduling.chunk_policies import policy_from_spec
 
     spec = {"name": args.scheduler, "max_chunk": args.max_chunk}
@@ -101,13 +105,33 @@ def scheduler_spec(args) -> dict:
     if args.cost_model:
         spec["cost_model"] = str(Path(args.cost_model).resolve())
     spec["margin_ms"] = args.margin_ms
-    if args.scheduler == "sloweave" and (args.tpot_ms is None or not args.cost_model):
+    try:
+        admission, chunk_policy = split_scheduler_name(args.scheduler)
+    except ValueError as err:
+        raise ExportError(f"--scheduler: {err}") from None
+    if chunk_policy == "sloweave" and (args.tpot_ms is None or not args.cost_model):
         raise ExportError("--scheduler sloweave needs --tpot-ms MS and --cost-model FILE (a step cost model of this "
                           "machine and model: `preft eval profile --model M`)")
-    if args.scheduler != "sloweave" and (args.tpot_ms is not None or args.cost_model):
+    if chunk_policy != "sloweave" and (args.tpot_ms is not None or args.cost_model):
         raise ExportError(f"--tpot-ms and --cost-model are SLOWeave's; --scheduler {args.scheduler} does not use them")
+    if admission != "feather" and (args.feather_state or args.feather_max_wait_s is not None):
+        raise ExportError(f"--feather-state and --feather-max-wait-s are Feather's; --scheduler {args.scheduler} "
+                          "does not use them")
+    if admission != "fcfs" and "--no-enable-prefix-caching" in args.vllm_args:
+        raise ExportError(f"--scheduler {args.scheduler} orders requests by their prefix-cache blocks: it needs "
+                          "prefix caching (drop --no-enable-prefix-caching)")
+    if args.feather_state:
+        state = Path(args.feather_state).resolve()
+        if state.is_dir() or not state.parent.is_dir():
+            raise ExportError(f"--feather-state must be a file in an existing directory: {args.feather_state}")
+        spec["feather_state"] = str(state)
+    if args.feather_max_wait_s is not None:
+        if args.feather_max_wait_s <= 0:
+            raise ExportError("--feather-max-wait-s must be > 0")
+        spec["feather_max_wait_s"] = args.feather_max_wait_s
     try:
         policy_from_spec(spec)
+        admission_from_spec(spec, cache=object())  # reads the Feather state: a bad file fails now
     except ValueError as err:
         raise ExportError(f"--scheduler: {err}") from None
     return spec
@@ -211,7 +235,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--scheduler", default="default",
                         help="prefill chunk policy: 'default' (vLLM's), 'fixed:TOKENS' (at most TOKENS prefill tokens "
                              "a step) or 'sloweave' (the largest chunk predicted to meet the earliest decode deadline; "
-                             "needs --tpot-ms and --cost-model)")
+                             "needs --tpot-ms and --cost-model); and/or an admission order: 'fcfs' (vLLM's), 'lpm' "
+                             "(most cached prefix first) or 'feather' (the CHT + ADD/STOP bandit), joined by '+', "
+                             "e.g. feather+sloweave")
     parser.add_argument("--tpot-ms", type=float, default=None, help="SLOWeave's time-per-output-token target (ms)")
     parser.add_argument("--cost-model", default=None, metavar="FILE",
                         help="SLOWeave's step cost model, from `preft eval profile` on this machine and model")
@@ -219,4 +245,9 @@ def add_arguments(parser) -> None:
                         help="SLOWeave's largest prefill chunk (tokens; default 2048)")
     parser.add_argument("--margin-ms", type=float, default=0.0,
                         help="SLOWeave's safety margin on each predicted step time (ms; default 0)")
+    parser.add_argument("--feather-state", default=None, metavar="FILE",
+                        help="Feather's learned table: read at start when FILE exists (e.g. pretrained by `preft eval "
+                             "prefix --parts scheduling`), written back to FILE atomically every 30 s and at shutdown")
+    parser.add_argument("--feather-max-wait-s", type=float, default=None,
+                        help="Feather's age bound: a request waiting longer is admitted first (seconds; default 10)")
     parser.add_argument("vllm_args", nargs="*", help="after --: extra vLLM server arguments")

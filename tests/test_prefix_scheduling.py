@@ -1,4 +1,5 @@
-"""The Chunked Hash Tree and the radix-tree baseline against a brute-force reference."""
+"""The Chunked Hash Tree and the radix-tree baseline against a brute-force reference; the
+admission orders' engine-side operations (requeue, remove) and scheduler names."""
 
 from __future__ import annotations
 
@@ -48,11 +49,17 @@ def test_cht_and_radix_tree_agree_with_brute_force_on_random_operations():
             radix.activate(chosen)
             waiting.remove(chosen)
             active.add(chosen)
-        elif op < 0.9 and active:
+        elif op < 0.8 and active:
             chosen = rng.choice(sorted(active))
             cht.finish(chosen)
             radix.finish(chosen)
             active.discard(chosen)
+        elif op < 0.9 and active:  # preempted: waiting again, as old as it was
+            chosen = rng.choice(sorted(active))
+            cht.deactivate(chosen)
+            radix.deactivate(chosen)
+            active.discard(chosen)
+            waiting.append(chosen)
         elif waiting:
             chosen = rng.choice(waiting)
             cht.remove(chosen)
@@ -261,3 +268,48 @@ def test_per_user_prefill_only_adapters_share_the_system_prompt():
     shared = simulate_prefix(lambda c: FirstComeFirstServed(), work, rules=prefill_only)
     keyed = simulate_prefix(lambda c: FirstComeFirstServed(), work, rules={})  # all-token: keyed by adapter
     assert shared.clock_s < keyed.clock_s  # the system prompt's KV is computed once for all users
+
+
+def test_admission_orders_take_back_requeued_requests_and_forget_removed_ones():
+    """What the engine's waiting queue tells an order besides arrive/take/finish: a taken request
+    put back (preempted) is first in line again, as old as it was; a removed one is gone."""
+    from preft.serving.scheduling.admission import FeatherOrder, FirstComeFirstServed, LongestPrefixMatch
+    from preft.serving.scheduling.prefix_cache import PrefixCache
+
+    shared = chunk_keys(list(range(32)), CHUNK)
+    other = chunk_keys(list(range(100, 132)), CHUNK)
+    for order in (FirstComeFirstServed(), LongestPrefixMatch(PrefixCache(64, CHUNK)), FeatherOrder(max_wait_s=5.0)):
+        order.arrive("a", shared, 0.0)
+        order.arrive("b", other, 1.0)
+        order.arrive("c", shared, 2.0)
+        first = order.candidate(3.0, 0, 8)
+        assert first == "a", order.name
+        order.take("a")
+        order.requeue("a", shared, 0.0)
+        assert order.candidate(3.0, 0, 8) == "a", order.name  # back in front
+        order.remove("a")
+        assert len(order) == 2
+        assert order.candidate(3.0, 0, 8) == "b", order.name  # the oldest left (an empty batch: no sharing yet)
+        order.take("b")
+        if order.name == "feather":  # "c" has waited past the age bound: admitted whatever it shares
+            assert order.candidate(8.0, 1, 8) == "c"
+        with pytest.raises((KeyError, ValueError)):
+            order.remove("a")
+
+
+def test_scheduler_names_split_into_admission_order_and_chunk_policy():
+    from preft.serving.scheduling.admission import admission_from_spec, split_scheduler_name
+
+    assert split_scheduler_name("default") == ("fcfs", "default")
+    assert split_scheduler_name("feather") == ("feather", "default")
+    assert split_scheduler_name("sloweave+feather") == ("feather", "sloweave")
+    assert split_scheduler_name("lpm+fixed:64") == ("lpm", "fixed:64")
+    for bad in ("feather+lpm", "fixed:1+fixed:2", "+feather"):
+        with pytest.raises(ValueError):
+            split_scheduler_name(bad)
+    assert admission_from_spec({"name": "fixed:64"}) is None  # vLLM's own queue
+    assert admission_from_spec({"name": "feather", "feather_max_wait_s": 2}).admission.max_wait_s == 2
+    with pytest.raises(ValueError, match="lpm admission order needs a prefix cache"):
+        admission_from_spec({"name": "lpm"})
+    with pytest.raises(ValueError, match="Feather's"):
+        admission_from_spec({"name": "lpm", "feather_state": "x.json"})

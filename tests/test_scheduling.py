@@ -196,12 +196,32 @@ def test_preft_serve_checks_its_scheduler_flags_before_anything_starts(tmp_path,
     plain.lora_adapters = []
     assert "--max-num-batched-tokens" not in vllm_arguments(plain, tmp_path)
     assert json.loads(server_environment(plain, tmp_path, {})["PREFT_SCHEDULER"])["name"] == "default"
+    combined = build_parser().parse_args(["serve", "--scheduler", "feather+fixed:256", "--feather-state",
+                                          str(tmp_path / "feather.json"), "--feather-max-wait-s", "3"])
+    combined.lora_adapters = []
+    spec = json.loads(server_environment(combined, tmp_path, {})["PREFT_SCHEDULER"])
+    assert spec["name"] == "feather+fixed:256" and spec["feather_max_wait_s"] == 3.0
+    assert spec["feather_state"] == str(tmp_path / "feather.json")  # absent is fine: Feather starts empty
+    argv = vllm_arguments(combined, tmp_path)
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == str(256 + 256)
+    alone = build_parser().parse_args(["serve", "--scheduler", "feather"])
+    alone.lora_adapters = []
+    assert "--max-num-batched-tokens" not in vllm_arguments(alone, tmp_path)  # vLLM's chunking is kept
     (tmp_path / "junk.json").write_text("{}")
     for flags, message in ((["--scheduler", "sloweave", "--tpot-ms", "40"], "needs --tpot-ms MS and --cost-model"),
                            (["--scheduler", "sloweave", "--tpot-ms", "40", "--cost-model", str(tmp_path / "junk.json")],
                             "not a step cost model"),
                            (["--scheduler", "fixed:0"], ">= 1"),
-                           (["--scheduler", "fcfs"], "unknown scheduler"),
+                           (["--scheduler", "fifo"], "unknown scheduler"),
+                           (["--scheduler", "feather+lpm"], "at most one admission order"),
+                           (["--scheduler", "feather+"], "an empty part"),
+                           (["--scheduler", "lpm", "--feather-state", str(tmp_path / "f.json")], "Feather's"),
+                           (["--scheduler", "feather", "--feather-state", str(tmp_path / "junk.json")],
+                            "cannot read the Feather state"),
+                           (["--scheduler", "feather", "--feather-state", str(tmp_path / "no" / "f.json")],
+                            "existing directory"),
+                           (["--scheduler", "feather", "--feather-max-wait-s", "0"], "must be > 0"),
+                           (["--scheduler", "feather", "--", "--no-enable-prefix-caching"], "needs prefix caching"),
                            (["--tpot-ms", "40"], "SLOWeave's")):
         assert main(["serve", *flags, "--port", "1"]) == 2
         err = capsys.readouterr().err

@@ -6,6 +6,9 @@ The simulator asks, while a step has room::
     take(request_id)                                               (it was admitted)
 
 and tells ``arrive``, ``finish`` and, after each step, ``reward(batch_size, step_s, prefill_tokens)``.
+The engine (:mod:`preft.serving.admission_queue`) also tells ``requeue`` (a taken request is
+waiting again: preempted, or not placed this step; it goes back in front, as old as it was) and
+``remove`` (a waiting request left: aborted).
 
 - :class:`FirstComeFirstServed`: arrival order (vLLM's default).
 - :class:`LongestPrefixMatch`: the waiting request with the most blocks already in the prefix
@@ -41,6 +44,12 @@ class FirstComeFirstServed:
     def take(self, request_id: str) -> None:
         self.queue.popleft()
 
+    def requeue(self, request_id: str, keys: list, arrived_s: float) -> None:
+        self.queue.appendleft(request_id)
+
+    def remove(self, request_id: str) -> None:
+        self.queue.remove(request_id)
+
     def finish(self, request_id: str) -> None:
         pass
 
@@ -69,6 +78,13 @@ class LongestPrefixMatch(FirstComeFirstServed):
         self.queue.remove(request_id)
         del self.keys[request_id]
 
+    def requeue(self, request_id: str, keys: list, arrived_s: float) -> None:
+        super().requeue(request_id, keys, arrived_s)
+        self.keys[request_id] = keys
+
+    def remove(self, request_id: str) -> None:
+        self.take(request_id)
+
 
 class FeatherOrder:
     name = "feather"
@@ -93,8 +109,64 @@ class FeatherOrder:
         self.admission.take(request_id)
         del self.arrived[request_id]
 
+    def requeue(self, request_id: str, keys: list, arrived_s: float) -> None:
+        self.tree.deactivate(request_id)
+        self.arrived[request_id] = arrived_s
+
+    def remove(self, request_id: str) -> None:
+        self.tree.remove(request_id)
+        del self.arrived[request_id]
+
     def finish(self, request_id: str) -> None:
         self.tree.finish(request_id)
 
     def reward(self, batch_size: int, step_s: float, prefill_tokens: int = 0) -> None:
         self.admission.reward(batch_size, step_s, prefill_tokens)
+
+
+ADMISSIONS = ("fcfs", "lpm", "feather")
+
+
+def split_scheduler_name(name: str) -> tuple[str, str]:
+    """``ADMISSION+CHUNK_POLICY`` (either part optional, in any order) -> (admission, chunk policy):
+    ``feather`` -> (feather, default); ``feather+sloweave`` -> (feather, sloweave);
+    ``fixed:256`` -> (fcfs, fixed:256)."""
+    parts = [part for part in name.split("+")]
+    if any(not part for part in parts):
+        raise ValueError(f"scheduler {name!r}: an empty part (expected e.g. feather+sloweave)")
+    admissions = [part for part in parts if part in ADMISSIONS]
+    chunks = [part for part in parts if part not in ADMISSIONS]
+    if len(admissions) > 1 or len(chunks) > 1:
+        raise ValueError(f"scheduler {name!r}: at most one admission order ({', '.join(ADMISSIONS)}) and one "
+                         f"prefill chunk policy, joined by '+'")
+    return (admissions or ["fcfs"])[0], (chunks or ["default"])[0]
+
+
+def make_admission(name: str, cache=None, bandit: FeatherBandit | None = None, max_wait_s: float = 10.0,
+                   learn: bool = True):
+    """A fresh admission order by name; ``lpm`` needs ``cache`` (anything with ``hit_blocks(keys)``)."""
+    if name == "fcfs":
+        return FirstComeFirstServed()
+    if name == "lpm":
+        if cache is None:
+            raise ValueError("the lpm admission order needs a prefix cache to match against")
+        return LongestPrefixMatch(cache)
+    if name == "feather":
+        return FeatherOrder(bandit, max_wait_s=max_wait_s, learn=learn)
+    raise ValueError(f"unknown admission order {name!r} (choose from {', '.join(ADMISSIONS)})")
+
+
+def admission_from_spec(spec: dict, cache=None):
+    """The admission order a scheduler spec names (``feather`` in ``feather+sloweave``), or None
+    for ``fcfs`` (the engine keeps vLLM's own queue). Feather's table is read from
+    ``feather_state`` when that file exists (else it starts empty)."""
+    from pathlib import Path
+
+    name = split_scheduler_name(spec.get("name", "default"))[0]
+    if name != "feather" and ("feather_state" in spec or "feather_max_wait_s" in spec):
+        raise ValueError(f"the Feather state and age bound are Feather's; scheduler {spec.get('name')!r} has none")
+    if name == "fcfs":
+        return None
+    state = spec.get("feather_state")
+    bandit = FeatherBandit.load(state) if state and Path(state).exists() else None
+    return make_admission(name, cache=cache, bandit=bandit, max_wait_s=float(spec.get("feather_max_wait_s", 10.0)))

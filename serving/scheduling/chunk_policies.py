@@ -104,15 +104,21 @@ def make_policy(name: str, *, cost_model=None, tpot_s: float | None = None, max_
                      f"cycle:TOKENS,... calibrates)")
 
 
+SPEC_KEYS = {"name", "tpot_ms", "cost_model", "max_chunk", "margin_ms", "feather_state", "feather_max_wait_s"}
+
+
 def policy_from_spec(spec: dict):
-    """The policy a JSON spec names: ``{"name": "sloweave", "tpot_ms": 25, "cost_model": FILE,
-    "max_chunk": 2048, "margin_ms": 0}`` (``preft serve --scheduler`` writes it)."""
+    """The prefill chunk policy a JSON spec names: ``{"name": "sloweave", "tpot_ms": 25,
+    "cost_model": FILE, "max_chunk": 2048, "margin_ms": 0}`` (``preft serve --scheduler`` writes
+    it). A name may carry an admission order too (``feather+sloweave``:
+    :func:`~preft.serving.scheduling.admission.split_scheduler_name`); this reads its chunk part."""
+    from preft.serving.scheduling.admission import split_scheduler_name
     from preft.serving.scheduling.cost_model import StepCostModel
 
-    unknown = set(spec) - {"name", "tpot_ms", "cost_model", "max_chunk", "margin_ms"}
+    unknown = set(spec) - SPEC_KEYS
     if unknown:
         raise ValueError(f"scheduler spec: unknown key(s) {sorted(unknown)}")
-    name = spec.get("name", "default")
+    name = split_scheduler_name(spec.get("name", "default"))[1]
     cost_model = StepCostModel.load(spec["cost_model"]) if spec.get("cost_model") else None
     tpot_s = spec["tpot_ms"] / 1e3 if spec.get("tpot_ms") is not None else None
     return make_policy(name, cost_model=cost_model, tpot_s=tpot_s, max_chunk=int(spec.get("max_chunk", 2048)),

@@ -19,7 +19,8 @@ exactly on their common chunk-aligned prefix. The tree keeps, incrementally:
 
 ``insert`` / ``remove`` a waiting request, ``activate`` it (waiting -> running: its keys join the
 working set, and the waiting requests sharing a key that was absent miss one chunk less),
-``finish`` a running one (the reverse), ``best_request`` (fewest missing chunks, oldest first
+``finish`` a running one (the reverse), ``deactivate`` a running one back to waiting (a preempted
+request, or one the engine could not place this step; it keeps its arrival order), ``best_request`` (fewest missing chunks, oldest first
 among equals). A key joining or leaving the working set touches only the waiting requests that
 have that key.
 
@@ -151,6 +152,18 @@ class ChunkedHashTree:
                 self.missing[waiter] += 1
                 self._push(waiter)
         del self.keys[request_id], self.order[request_id]
+
+    def deactivate(self, request_id: str) -> None:
+        """Running -> waiting again (preempted, or not placed after all), keeping its keys and
+        its arrival order, so it is as old as it was."""
+        keys, order = self.keys[request_id], self.order[request_id]
+        self.finish(request_id)
+        self.keys[request_id], self.order[request_id] = keys, order
+        for key in keys:
+            self.waiting_by_key.setdefault(key, set()).add(request_id)
+        self.missing[request_id] = sum(1 for key in keys if not self.working.get(key))
+        self._push(request_id)
+        self._fifo.appendleft(request_id)  # the oldest waiting, as vLLM puts it back in front
 
     def best_request(self) -> str | None:
         """The waiting request missing the fewest chunks from the working set (oldest first among

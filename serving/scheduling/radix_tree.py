@@ -49,6 +49,7 @@ class RadixTree:
         self.root = _Node()
         self.sequences: dict[str, tuple] = {}
         self.waiting: dict[str, int] = {}  # request id -> arrival order
+        self.arrival: dict[str, int] = {}  # every request in the tree -> arrival order
         self.active: set[str] = set()
         self._arrivals = 0
 
@@ -59,12 +60,12 @@ class RadixTree:
         if request_id in self.sequences:
             raise ValueError(f"request {request_id!r} is already in the tree")
         self.sequences[request_id] = sequence
-        self.waiting[request_id] = self._arrivals
+        self.waiting[request_id] = self.arrival[request_id] = self._arrivals
         self._arrivals += 1
 
     def remove(self, request_id: str) -> None:
         del self.waiting[request_id]
-        del self.sequences[request_id]
+        del self.sequences[request_id], self.arrival[request_id]
 
     def activate(self, request_id: str) -> None:
         del self.waiting[request_id]
@@ -74,6 +75,13 @@ class RadixTree:
     def finish(self, request_id: str) -> None:
         self.active.remove(request_id)
         self._add(self.sequences.pop(request_id), -1)
+        del self.arrival[request_id]
+
+    def deactivate(self, request_id: str) -> None:
+        """Running -> waiting again, as old as it was."""
+        self.active.remove(request_id)
+        self._add(self.sequences[request_id], -1)
+        self.waiting[request_id] = self.arrival[request_id]
 
     def _add(self, sequence: tuple, delta: int) -> None:
         node, i = self.root, 0

@@ -1,11 +1,18 @@
-"""A prefill chunk policy changes timing, never tokens.
+"""A scheduling policy changes timing, never tokens.
 
-One engine (its core in-process, so the test switches the policy between batches) serves one
-mixed batch (LoRA-P, LoRA-P starting at position 3, all-token LoRA, ReFT-P, the base model;
-short and 150-token prompts) under vLLM's default, fixed chunks and SLOWeave with a tight and a
-very tight TPOT target. Every policy's greedy tokens equal the HF reference (float32), and the
-engine's step trace shows each policy did what it says: fixed chunks never exceed their size,
-and SLOWeave runs decode-only steps while prefill waits when no chunk fits its deadline.
+One engine (its core in-process, so the tests switch the policies between batches; a KV cache
+of 10 blocks of 128 tokens) serves:
+
+- one mixed batch (LoRA-P, LoRA-P starting at position 3, all-token LoRA, ReFT-P, the base
+  model; short and 150-token prompts) under vLLM's default, fixed chunks and SLOWeave with a
+  tight and a very tight TPOT target. Every policy's greedy tokens equal the HF reference
+  (float32), and the engine's step trace shows each policy did what it says: fixed chunks never
+  exceed their size, and SLOWeave runs decode-only steps while prefill waits when no chunk fits
+  its deadline;
+- one prefix batch (prompts behind two shared 128-token system prompts, and prompts that grow
+  past a block while decoding, more than the cache holds) under the admission orders FCFS,
+  LPM, Feather and Feather+SLOWeave: the tokens equal HF's, each run had prefix-cache hits (and,
+  but for SLOWeave's, preemptions), and Feather's learned table is written to its state file.
 """
 
 from __future__ import annotations
@@ -75,22 +82,30 @@ POLICIES = [
 ]
 
 
-@pytest.mark.slow
-def test_every_chunk_policy_gives_the_default_tokens(batch, base_path, tmp_path):
-    requests, reference, cost_models = batch
-    trace = tmp_path / "steps.jsonl"
-    engine = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "max_model_len": 256, "max_num_seqs": 16}
+@pytest.fixture(scope="module")
+def engine(base_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("policy_engine")
+    trace = root / "steps.jsonl"
+    engine = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "max_model_len": 256, "max_num_seqs": 16,
+              "num_gpu_blocks_override": 10, "disable_log_stats": False}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PREFT_STEP_TRACE": str(trace)}
+    with EngineProcess(base_path, engine, env=env, log_path=root / "engine.log") as driver:
+        yield driver, trace
+
+
+@pytest.mark.slow
+def test_every_chunk_policy_gives_the_default_tokens(batch, engine):
+    requests, reference, cost_models = batch
+    driver, trace = engine
     steps = {}
-    with EngineProcess(base_path, engine, env=env, log_path=tmp_path / "engine.log") as driver:
-        for spec in POLICIES:
-            spec = {**spec, "cost_model": cost_models[spec["cost_model"]]} if "cost_model" in spec else spec
-            trace.unlink(missing_ok=True)
-            name = driver.set_scheduler(spec)["scheduler"]
-            tokens = driver.generate(requests, NEW_TOKENS)["tokens"]
-            mismatches = [i for i, (got, want) in enumerate(zip(tokens, reference)) if got != want]
-            assert not mismatches, f"{spec}: requests {mismatches} differ from HF"
-            steps[f"{name}@{spec.get('tpot_ms')}"] = [json.loads(line) for line in trace.read_text().splitlines()]
+    for spec in POLICIES:
+        spec = {**spec, "cost_model": cost_models[spec["cost_model"]]} if "cost_model" in spec else spec
+        trace.unlink(missing_ok=True)
+        name = driver.set_scheduler(spec)["scheduler"]
+        tokens = driver.generate(requests, NEW_TOKENS)["tokens"]
+        mismatches = [i for i, (got, want) in enumerate(zip(tokens, reference)) if got != want]
+        assert not mismatches, f"{spec}: requests {mismatches} differ from HF"
+        steps[f"{name}@{spec.get('tpot_ms')}"] = [json.loads(line) for line in trace.read_text().splitlines()]
     assert max(s["c"] for s in steps["default@None"]) > 100  # the long prompts go in at once
     for size in (16, 3):
         chunks = [s["c"] for s in steps[f"fixed:{size}@None"]]
@@ -104,3 +119,76 @@ def test_every_chunk_policy_gives_the_default_tokens(batch, base_path, tmp_path)
     beside = [s for s in moderate if s["n"] > 0 and s["c"] > 0]
     assert beside and all(0 < s["budget"] < 64 for s in beside)  # sized by the deadline, under C_max
     assert all(s["c"] <= s["budget"] for s in moderate)
+
+
+@pytest.fixture(scope="module")
+def prefix_batch(batch, tokenizer):
+    """Prompts behind two shared system prompts of one full block or more (prefix hits), and
+    prompts of 116-126 tokens that cross a 128-token block while decoding (preemptions)."""
+    driver_requests, _, _ = batch
+    entries = {entry["lora"][0] if "lora" in entry else ("reft_p" if "reft" in entry else None): entry
+               for entry in driver_requests}
+    text = " ".join(pretraining_corpus(160, seed=33))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    systems = [tokenizer.decode(ids[0:140]), tokenizer.decode(ids[140:280])]
+    assert all(len(tokenizer(s)["input_ids"]) >= 130 for s in systems)
+    suffixes = ["add 1 2 =", "sort 3 1 =", "the cat", "b=4 ; b ="]
+    crossing = []
+    start = 300
+    while len(crossing) < 4:
+        prompt = tokenizer.decode(ids[start:start + 120])
+        if 116 <= len(tokenizer(prompt)["input_ids"]) <= 126:
+            crossing.append(prompt)
+        start += 120
+    prompts = [f"{systems[i % 2]} {suffixes[i % 4]}" for i in range(12)] + crossing
+    adapters = [None, "lora_p", "lora_p_late", "reft_p"]
+    requests = []
+    for index, prompt in enumerate(prompts):
+        entry = dict(entries[adapters[index % 4]]) if adapters[index % 4] else {}
+        requests.append({**{k: v for k, v in entry.items() if k != "prompt"}, "prompt": prompt})
+    return requests
+
+
+ADMISSION_ORDERS = [
+    {"name": "default"},
+    {"name": "lpm"},
+    {"name": "feather", "feather_state": "STATE"},
+    {"name": "feather+sloweave", "tpot_ms": 500.0, "max_chunk": 64, "cost_model": "per_token"},
+]
+
+
+@pytest.mark.slow
+def test_every_admission_order_gives_the_default_tokens(batch, prefix_batch, engine, base_path, tokenizer,
+                                                        tmp_path):
+    _, _, cost_models = batch
+    driver, trace = engine
+    models = {None: load_base(base_path)}
+    reference = []
+    for request in prefix_batch:
+        name = request.get("lora", [None])[0] if "lora" in request else ("reft" if "reft" in request else None)
+        if name not in models:
+            path = request["lora"][2] if "lora" in request else request["reft"]
+            models[name] = PeftModel.from_pretrained(load_base(base_path), path.replace(".bundle", "")).eval()
+        reference.append(hf_greedy(models[name], tokenizer, request["prompt"], NEW_TOKENS))
+    state = tmp_path / "feather.json"
+    for spec in ADMISSION_ORDERS:
+        spec = {**spec, "cost_model": cost_models[spec["cost_model"]]} if "cost_model" in spec else spec
+        spec = {**spec, "feather_state": str(state)} if "feather_state" in spec else spec
+        trace.unlink(missing_ok=True)
+        before = driver.metrics()
+        answer = driver.set_scheduler(spec)
+        tokens = driver.generate(prefix_batch, NEW_TOKENS)["tokens"]
+        after = driver.metrics()
+        mismatches = [i for i, (got, want) in enumerate(zip(tokens, reference)) if got != want]
+        assert not mismatches, f"{spec}: requests {mismatches} differ from HF"
+        assert after["prefix_hits"] > before["prefix_hits"], f"{spec}: no prefix-cache hit"
+        if "+" not in spec["name"]:  # (SLOWeave's small chunks admit slowly: fewer decodes to preempt)
+            assert after["preemptions"] > before["preemptions"], f"{spec}: no preemption"
+        steps = [json.loads(line) for line in trace.read_text().splitlines()]
+        assert {s["admission"] for s in steps} == {answer["admission"]} == {spec["name"].split("+")[0]
+                                                                             .replace("default", "fcfs")}
+        if "sloweave" in spec["name"]:
+            assert all(s["c"] <= s["budget"] for s in steps)
+    driver.set_scheduler({"name": "default"})  # the outgoing Feather order writes its table
+    table = json.loads(state.read_text())["table"]
+    assert table and all(n > 0 for _, _, _, n in table), "Feather made and credited no decision"
