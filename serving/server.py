@@ -249,5 +249,6 @@ def add_arguments(parser) -> None:
                         help="Feather's learned table: read at start when FILE exists (e.g. pretrained by `preft eval "
                              "prefix --parts scheduling`), written back to FILE atomically every 30 s and at shutdown")
     parser.add_argument("--feather-max-wait-s", type=float, default=None,
-                        help="Feather's age bound: a request waiting longer is admitted first (seconds; default 10)")
+                        help="Feather's age bound: no request is overtaken by one that arrived more than this "
+                             "much later (seconds; default 10)")
     parser.add_argument("vllm_args", nargs="*", help="after --: extra vLLM server arguments")

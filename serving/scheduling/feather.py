@@ -12,8 +12,11 @@ candidate comes from the :class:`~preft.serving.scheduling.chunked_hash_tree.Chu
 (fewest missing chunks). Rules before the bandit:
 
 - nothing lost (the candidate misses no chunk), or an empty batch: always ADD;
-- first of all, the oldest waiting request is admitted once it has waited longer than
-  ``max_wait_s`` (whatever prefix it has), so no request starves;
+- the age bound: the oldest waiting request goes first (whatever prefix it has) when the
+  candidate arrived more than ``max_wait_s`` after it. No request is overtaken by one that
+  arrived more than ``max_wait_s`` later, so none starves; and under overload, when every
+  request has waited long, Feather still reorders within that window (a bound on the wait
+  itself would turn it into FCFS exactly when the queue is long);
 - the batch is full: STOP.
 
 Otherwise tabular UCB picks the action::
@@ -138,12 +141,12 @@ class FeatherAdmission:
         :meth:`take`), or None: the batch is full, nothing waits, or the bandit said STOP."""
         if batch_size >= capacity:
             return None
-        oldest = self.tree.oldest_request()  # the age bound first: no request starves
-        if oldest is not None and waited_s(oldest) > self.max_wait_s:
-            return oldest
         candidate = self.tree.best_request()
         if candidate is None:
             return None
+        oldest = self.tree.oldest_request()  # the age bound first: no request starves
+        if oldest != candidate and waited_s(oldest) - waited_s(candidate) > self.max_wait_s:
+            return oldest
         missing = self.tree.missing[candidate]
         if missing > 0 and batch_size > 0:
             state = state_of(batch_size, missing, self.tree.shared_chunks(candidate),

@@ -21,6 +21,16 @@ capacity unless a prefix cache is given.
 With ``prefix_cache`` (:class:`.prefix_cache.PrefixCache`) a request's cached prefix blocks are
 not computed again and admission waits for KV blocks; with ``admission`` (:mod:`.admission`)
 the waiting requests join in that order (FCFS, LPM, Feather) instead of first come first served.
+
+``shared_context_cost`` (default 1: no effect) is what a decode's context token costs when
+another decode of the same step reads the same prompt block (a prefix-homogeneous batch reads
+that KV once into cache, and attention over it is cheaper). The step is then costed at
+
+    x_eff = x − (1 − shared_context_cost) · duplicated_tokens
+
+where ``duplicated_tokens`` counts the decodes' prompt blocks beyond each block's first reader.
+``preft eval prefix`` sets it from its direct measurement on the engine (``decode-batch``), so
+the simulator carries the effect exactly as far as it was measured.
 """
 
 from __future__ import annotations
@@ -66,7 +76,8 @@ class Simulator:
 
     def __init__(self, cost_model: StepCostModel, policy, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, gap_s: float | None = None, record_shapes: bool = False,
-                 admission=None, prefix_cache=None, adapter_rules: dict | None = None) -> None:
+                 admission=None, prefix_cache=None, adapter_rules: dict | None = None,
+                 shared_context_cost: float = 1.0) -> None:
         self.cost_model, self.policy = cost_model, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.gap_s = cost_model.meta.get("gap_s", 0.0) if gap_s is None else gap_s
@@ -74,6 +85,9 @@ class Simulator:
         self.admission_factory = admission  # callable: a fresh admission order per run (None: FCFS)
         self.prefix_cache_factory = prefix_cache  # callable: a fresh PrefixCache per run (None: no cache)
         self.adapter_rules = adapter_rules or {}
+        if not 0.0 <= shared_context_cost <= 1.0:
+            raise ValueError(f"shared_context_cost must be in [0, 1], got {shared_context_cost}")
+        self.shared_context_cost = shared_context_cost
 
     def run(self, workload: list[RequestSpec]) -> SimulationResult:
         from preft.serving.scheduling.admission import FirstComeFirstServed
@@ -153,6 +167,10 @@ class Simulator:
             c = sum(tokens for request, tokens in scheduled if request.prefilling)
             if self.record_shapes:
                 shapes.append((n, c, context))
+            if self.shared_context_cost < 1.0:  # decodes reading one prompt block: the later readers cost less
+                blocks = [key for request, _ in scheduled if not request.prefilling
+                          for key in keys[request.spec.request_id]]
+                context -= (1.0 - self.shared_context_cost) * (len(blocks) - len(set(blocks))) * block
             step_s = self.cost_model(n, c, context)
             end = now + step_s  # the step's tokens exist at its end
             now = end + self.gap_s  # the next step is decided after the engine's gap
