@@ -118,10 +118,11 @@ def run_simulations(cost_model, settings: dict) -> list[dict]:
 
 
 def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str, run_dir: Path,
-                settings: dict) -> tuple[list, list[dict]]:
+                settings: dict, vllm_extra: tuple[str, ...] = ()) -> tuple[list, list[dict]]:
     """``preft serve`` with ``policy_args`` (``--scheduler ...``) and the step trace on, driven by
     ``vllm bench serve --dataset-name timed_trace`` at ``trace``'s arrival times:
-    ``(per-request timings, the engine's steps)``. The warm-up's steps are not kept."""
+    ``(per-request timings, the engine's steps)``. The warm-up's steps are not kept.
+    ``vllm_extra``: more vLLM arguments (e.g. ``--num-gpu-blocks-override N``)."""
     from preft.eval.eval_serve import warm_up
     from preft.serving.scheduling.metrics import RequestTiming
     from preft.serving.server_process import start_server, stop_server
@@ -131,7 +132,7 @@ def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str,
     step_trace.unlink(missing_ok=True)
     args = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(settings["max_len"]),
             "--kv-cache-gib", "1", *policy_args, "--", "--max-num-seqs", str(settings["max_num_seqs"]),
-            "--max-num-batched-tokens", str(settings["max_num_batched_tokens"])]
+            "--max-num-batched-tokens", str(settings["max_num_batched_tokens"]), *vllm_extra]
     proc, url, _ = start_server(args, run_dir / "logs" / f"server-{label}.log", env={"PREFT_STEP_TRACE": str(step_trace)})
     result_name = f"bench-{label}.json"
     try:

@@ -1,7 +1,8 @@
 """`preft eval prefix`: what prefix-aware scheduling costs and what it can gain on this machine.
 
-    preft eval prefix [--parts cost,decode-batch] [--waiting 100,1000,10000] [--model 512x8]
-                      [--out runs/eval]
+    preft eval prefix [--parts cost,decode-batch,scheduling] [--waiting 100,1000,10000] [--model 512x8]
+                      [--requests 1000] [--groups 100] [--cache-blocks 160] [--engine-requests 200]
+                      [--engine-rate 20] [--engine-blocks 120] [--no-engine] [--out runs/eval]
 
 - ``cost``: the CPU cost of finding the waiting request that shares the most prefix with the
   running batch, Chunked Hash Tree vs the radix-tree baseline
@@ -18,6 +19,9 @@
   distinct, of the same length. The median decode step time of each is compared (the
   scheduler's step trace, decode-only steps). The simulator's cost model carries this effect
   only as far as this measures it.
+- ``scheduling``: FCFS vs LPM vs Feather (vs Feather+SLOWeave) on the prefix workloads, in the
+  simulator and on the real engine (:mod:`preft.eval.prefix_scheduling`); it uses the
+  decode-batch measurement (this run's, or the last one in ``OUT/prefix/results.json``).
 """
 
 from __future__ import annotations
@@ -149,8 +153,18 @@ def measure_decode_batch(model: str, out: Path, batch: int, prefix_tokens: int, 
     return result
 
 
-def main(parts: str = "cost,decode-batch", waiting: str = "100,1000,10000", model: str = "512x8",
-         batch: int = 16, prefix_tokens: int = 384, out: str = "runs/eval") -> dict[str, Any]:
+def previous_decode_batch(prefix_dir: Path, model: str) -> dict | None:
+    path = prefix_dir / "results.json"
+    if not path.is_file():
+        return None
+    decode = json.loads(path.read_text()).get("decode_batch")
+    return decode if decode and decode.get("model") == model else None
+
+
+def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,10000", model: str = "512x8",
+         batch: int = 16, prefix_tokens: int = 384, requests: int = 1000, groups: int = 100,
+         cache_blocks: int = 160, engine: bool = True, engine_requests: int = 200, engine_rate: float = 20.0,
+         engine_blocks: int = 120, out: str = "runs/eval") -> dict[str, Any]:
     import inspect
 
     from preft.eval.eval_loss import parse_list
@@ -160,9 +174,13 @@ def main(parts: str = "cost,decode-batch", waiting: str = "100,1000,10000", mode
     arguments = dict(locals())
     values = {name: arguments[name] for name in inspect.signature(main).parameters}
     part_list = parse_list(parts, str, "parts")
-    unknown = [p for p in part_list if p not in ("cost", "decode-batch")]
+    unknown = [p for p in part_list if p not in ("cost", "decode-batch", "scheduling")]
     if unknown:
-        raise ValueError(f"--parts: unknown part(s) {unknown} (choose from cost, decode-batch)")
+        raise ValueError(f"--parts: unknown part(s) {unknown} (choose from cost, decode-batch, scheduling)")
+    if requests < 10 or not 1 <= groups <= 100 or cache_blocks < 8 or engine_requests < 10 or engine_rate <= 0 \
+            or engine_blocks < 8:
+        raise ValueError("--requests and --engine-requests must be >= 10, --groups in 1..100, --cache-blocks and "
+                         "--engine-blocks >= 8, --engine-rate > 0")
     counts = parse_list(waiting, int, "waiting")
     if any(c < SELECTIONS for c in counts) or batch < 1 or prefix_tokens < 16:
         raise ValueError(f"--waiting must be >= {SELECTIONS}, --batch >= 1, --prefix-tokens >= 16")
@@ -199,6 +217,21 @@ def main(parts: str = "cost,decode-batch", waiting: str = "100,1000,10000", mode
                   f"(ratio {decode['shared_vs_distinct']:.3f}; per round "
                   f"{' / '.join(f'{v:.1f}' for v in decode['shared']['per_round_median_ms'])} vs "
                   f"{' / '.join(f'{v:.1f}' for v in decode['distinct']['per_round_median_ms'])} ms).\n"]
+    if "scheduling" in part_list:
+        from preft.eval import prefix_scheduling
+
+        decode = result.get("decode_batch") or previous_decode_batch(prefix_dir, model)
+        if decode is None:
+            print(f"[prefix] scheduling needs the decode-batch measurement: measuring it first", flush=True)
+            decode = result["decode_batch"] = measure_decode_batch(model, prefix_dir, batch, prefix_tokens)
+        scheduling = prefix_scheduling.run(model, prefix_dir, decode, requests, groups, cache_blocks, engine,
+                                           engine_requests, engine_rate, engine_blocks)
+        result["scheduling"] = scheduling
+        lines += prefix_scheduling.markdown(scheduling)
+    previous = prefix_dir / "results.json"
+    if previous.is_file():  # parts not run this time keep their last results
+        kept = json.loads(previous.read_text())
+        result = {**{k: v for k, v in kept.items() if k in ("cost", "decode_batch", "scheduling")}, **result}
     (prefix_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     text = "\n".join(lines)
     (prefix_dir / "prefix.md").write_text(text)
@@ -216,6 +249,13 @@ def add_arguments(parser) -> None:
         ("--model", str, "base model of the decode-batch part: '512x8', 'default' or a local directory"),
         ("--batch", int, "decoding requests in the decode-batch part"),
         ("--prefix-tokens", int, "prompt length of the decode-batch part"),
+        ("--requests", int, "requests per simulated point (scheduling part)"),
+        ("--groups", int, "prefix groups of the shared workload (1-100)"),
+        ("--cache-blocks", int, "the simulated prefix cache (blocks of 128 tokens)"),
+        ("--engine", bool, "run the scheduling part on the real engine too"),
+        ("--engine-requests", int, "requests in each engine trace"),
+        ("--engine-rate", float, "the engine traces' offered rate (req/s; above capacity: throughput)"),
+        ("--engine-blocks", int, "the engine's KV cache (--num-gpu-blocks-override)"),
         ("--out", str, "results directory"),
     ])
 

@@ -66,7 +66,12 @@ def command_line(name: str, function, values: dict[str, Any], always: tuple[str,
     ``function``'s that differs from its default: the recorded command reruns the measurement."""
     given = [(k, v) for k, v in values.items()
              if v is not None and (k in always or v != default_of(function, k))]
-    return " ".join([f"preft eval {name}", *(f"--{k.replace('_', '-')} {v}" for k, v in given)])
+    def flag(key: str, value: Any) -> str:
+        if isinstance(value, bool):  # a switch (add_flags): --x or --no-x
+            return f"--{'' if value else 'no-'}{key.replace('_', '-')}"
+        return f"--{key.replace('_', '-')} {value}"
+
+    return " ".join([f"preft eval {name}", *(flag(k, v) for k, v in given)])
 
 
 def default_of(function, name: str) -> Any:
@@ -77,7 +82,14 @@ def default_of(function, name: str) -> Any:
 
 def add_flags(parser, function, flags: list[tuple[str, type, str]]) -> None:
     """One ``--flag`` per ``(flag, type, help)``, its default read from ``function``'s keyword of
-    the same name (``--eval-examples`` -> ``eval_examples``) and shown in the help."""
+    the same name (``--eval-examples`` -> ``eval_examples``) and shown in the help; a ``bool``
+    flag is a switch (``--no-flag`` when it is on by default)."""
     for flag, kind, what in flags:
-        default = default_of(function, flag[2:].replace("-", "_"))
+        key = flag[2:].replace("-", "_")
+        default = default_of(function, key)
+        if kind is bool:  # a switch: --no-x turns off what is on by default, --x turns on what is off
+            switch = f"--no-{flag[2:]}" if default else flag
+            parser.add_argument(switch, dest=key, action="store_false" if default else "store_true",
+                                help=f"{'do not ' if default else ''}{what}")
+            continue
         parser.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
