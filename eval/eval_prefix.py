@@ -2,7 +2,8 @@
 
     preft eval prefix [--parts cost,decode-batch,scheduling] [--waiting 100,1000,10000] [--model 512x8]
                       [--requests 1000] [--groups 100] [--cache-blocks 160] [--engine-requests 200]
-                      [--engine-rate 20] [--engine-blocks 120] [--no-engine] [--out runs/eval]
+                      [--engine-rate 20] [--engine-blocks 120] [--engine-rounds 3] [--no-engine]
+                      [--out runs/eval]
 
 - ``cost``: the CPU cost of finding the waiting request that shares the most prefix with the
   running batch, Chunked Hash Tree vs the radix-tree baseline
@@ -164,7 +165,7 @@ def previous_decode_batch(prefix_dir: Path, model: str) -> dict | None:
 def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,10000", model: str = "512x8",
          batch: int = 16, prefix_tokens: int = 384, requests: int = 1000, groups: int = 100,
          cache_blocks: int = 160, engine: bool = True, engine_requests: int = 200, engine_rate: float = 20.0,
-         engine_blocks: int = 120, out: str = "runs/eval") -> dict[str, Any]:
+         engine_blocks: int = 120, engine_rounds: int = 3, out: str = "runs/eval") -> dict[str, Any]:
     import inspect
 
     from preft.eval.eval_loss import parse_list
@@ -178,9 +179,9 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
     if unknown:
         raise ValueError(f"--parts: unknown part(s) {unknown} (choose from cost, decode-batch, scheduling)")
     if requests < 10 or not 1 <= groups <= 100 or cache_blocks < 8 or engine_requests < 10 or engine_rate <= 0 \
-            or engine_blocks < 8:
+            or engine_blocks < 8 or engine_rounds < 1:
         raise ValueError("--requests and --engine-requests must be >= 10, --groups in 1..100, --cache-blocks and "
-                         "--engine-blocks >= 8, --engine-rate > 0")
+                         "--engine-blocks >= 8, --engine-rate > 0, --engine-rounds >= 1")
     counts = parse_list(waiting, int, "waiting")
     if any(c < SELECTIONS for c in counts) or batch < 1 or prefix_tokens < 16:
         raise ValueError(f"--waiting must be >= {SELECTIONS}, --batch >= 1, --prefix-tokens >= 16")
@@ -225,7 +226,7 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
             print(f"[prefix] scheduling needs the decode-batch measurement: measuring it first", flush=True)
             decode = result["decode_batch"] = measure_decode_batch(model, prefix_dir, batch, prefix_tokens)
         scheduling = prefix_scheduling.run(model, prefix_dir, decode, requests, groups, cache_blocks, engine,
-                                           engine_requests, engine_rate, engine_blocks)
+                                           engine_requests, engine_rate, engine_blocks, engine_rounds)
         result["scheduling"] = scheduling
         lines += prefix_scheduling.markdown(scheduling)
     previous = prefix_dir / "results.json"
@@ -256,6 +257,7 @@ def add_arguments(parser) -> None:
         ("--engine-requests", int, "requests in each engine trace"),
         ("--engine-rate", float, "the engine traces' offered rate (req/s; above capacity: throughput)"),
         ("--engine-blocks", int, "the engine's KV cache (--num-gpu-blocks-override)"),
+        ("--engine-rounds", int, "rounds of engine runs (the ratios to FCFS are per round)"),
         ("--out", str, "results directory"),
     ])
 

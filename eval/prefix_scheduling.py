@@ -43,6 +43,8 @@ def shared_context_cost(cost_model, decode: dict) -> float:
     slope = cost_model(batch, 0, context + 1000) - cost_model(batch, 0, context)  # per 1000 tokens
     saved = (1.0 - decode["shared_vs_distinct"]) * cost_model(batch, 0, context)
     duplicated = (batch - 1) * prefix
+    if slope <= 0 or duplicated <= 0:  # the model has no context term to discount: nothing carried
+        return 1.0
     return min(1.0, max(0.0, 1.0 - saved / (slope * duplicated / 1000)))
 
 
@@ -121,6 +123,12 @@ def simulator_rows(cost_model, settings: dict, state_path: Path) -> list[dict]:
 
 
 def engine_rows(cost_model, settings: dict, model_dir: str, state_path: Path, out: Path) -> list[dict]:
+    """Every (workload, order) on the real engine, ``engine_rounds`` times; within a round each
+    workload's orders run one after another (their order rotated each round), so a ratio to
+    FCFS is taken between runs minutes apart, and the median over rounds is reported with the
+    range of the per-round ratios."""
+    import statistics
+
     from preft.eval.eval_goodput import serve_trace
     from preft.serving.scheduling import workloads
     from preft.serving.scheduling.feather import FeatherBandit
@@ -128,33 +136,51 @@ def engine_rows(cost_model, settings: dict, model_dir: str, state_path: Path, ou
 
     engine_dir = out / "engine"
     engine_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
     serve_settings = {"max_len": settings["max_len"], "max_num_seqs": settings["max_num_seqs"],
                       "max_num_batched_tokens": settings["max_num_batched_tokens"]}
-    for variant, orders in (("shared", ORDERS), ("no-sharing", ("fcfs", "feather"))):
-        work = workloads.prefix_workload(variant, settings["engine_requests"], rate=settings["engine_rate"],
-                                         groups=settings["engine_groups"], seed=7, max_model_len=settings["max_len"])
-        trace = workloads.write_trace(work, engine_dir / f"{variant}.trace.jsonl")
+    cases = (("shared", ORDERS), ("no-sharing", ("fcfs", "feather")))
+    works, runs = {}, {}
+    for variant, _ in cases:
+        works[variant] = workloads.prefix_workload(variant, settings["engine_requests"], rate=settings["engine_rate"],
+                                                   groups=settings["engine_groups"], seed=7,
+                                                   max_model_len=settings["max_len"])
+        workloads.write_trace(works[variant], engine_dir / f"{variant}.trace.jsonl")
+    for round_index in range(settings["engine_rounds"]):
+        for variant, orders in cases:
+            shift = round_index % len(orders)
+            for order in orders[shift:] + orders[:shift]:
+                label = f"{variant}-{order.replace('+', '-')}-r{round_index}"
+                args = ["--scheduler", "default" if order == "fcfs" else order]
+                if "sloweave" in order:
+                    args += ["--tpot-ms", f"{1e3 * settings['tpot_s']:.3f}", "--cost-model", settings["cost_model"],
+                             "--max-chunk", str(settings["max_chunk"])]
+                if "feather" in order:  # from the pretrained table; the run's copy learns on
+                    copy = engine_dir / f"feather_state-{label}.json"
+                    shutil.copyfile(state_path, copy)
+                    args += ["--feather-state", str(copy)]
+                print(f"[prefix] engine round {round_index + 1}/{settings['engine_rounds']}: {variant} {order}, "
+                      f"{len(works[variant])} requests", flush=True)
+                timings, steps = serve_trace(model_dir, args, engine_dir / f"{variant}.trace.jsonl", label,
+                                             engine_dir, serve_settings,
+                                             vllm_extra=("--num-gpu-blocks-override", str(settings["engine_blocks"])))
+                runs.setdefault((variant, order), []).append(
+                    (summarize(timings, settings["ttft_s"], settings["tpot_s"]), len(timings),
+                     _median([s["n"] for s in steps if s["c"] == 0])))
+    rows = []
+    for variant, orders in cases:
         for order in orders:
-            label = f"{variant}-{order.replace('+', '-')}"
-            args = ["--scheduler", "default" if order == "fcfs" else order]
-            if "sloweave" in order:
-                args += ["--tpot-ms", f"{1e3 * settings['tpot_s']:.3f}", "--cost-model", settings["cost_model"],
-                         "--max-chunk", str(settings["max_chunk"])]
-            if "feather" in order:  # from the pretrained table; the run's copy learns on
-                copy = engine_dir / f"feather_state-{label}.json"
-                shutil.copyfile(state_path, copy)
-                args += ["--feather-state", str(copy)]
-            print(f"[prefix] engine {variant} {order}: {len(work)} requests", flush=True)
-            timings, steps = serve_trace(model_dir, args, trace, label, engine_dir, serve_settings,
-                                         vllm_extra=("--num-gpu-blocks-override", str(settings["engine_blocks"])))
-            engine = summarize(timings, settings["ttft_s"], settings["tpot_s"])
             bandit = FeatherBandit.load(state_path) if "feather" in order else None
-            predicted = summary(simulate(order, work, cost_model, settings, bandit=bandit,
+            predicted = summary(simulate(order, works[variant], cost_model, settings, bandit=bandit,
                                          cache_blocks=settings["engine_blocks"]), settings)
-            rows.append({"workload": variant, "order": order, "requests": len(timings),
-                         "engine": {k: engine[k] for k in predicted}, "simulator": predicted,
-                         "steps": len(steps), "median_decodes": _median([s["n"] for s in steps if s["c"] == 0])})
+            measured = runs[(variant, order)]
+            ratios = [m[0]["request_throughput"] / f[0]["request_throughput"]
+                      for m, f in zip(measured, runs[(variant, "fcfs")])]
+            rows.append({"workload": variant, "order": order, "requests": [m[1] for m in measured],
+                         "engine": {k: statistics.median(m[0][k] for m in measured) for k in predicted},
+                         "simulator": predicted, "vs_fcfs": statistics.median(ratios),
+                         "vs_fcfs_range": [min(ratios), max(ratios)],
+                         "per_round_req_s": [m[0]["request_throughput"] for m in measured],
+                         "median_decodes": statistics.median(m[2] for m in measured)})
     return rows
 
 
@@ -207,14 +233,14 @@ def markdown(result: dict) -> list[str]:
         lines += [f"**Admission orders on the real engine** (`preft serve --scheduler P -- --num-gpu-blocks-override "
                   f"{settings['engine_blocks']}`, {settings['engine_requests']} requests of {settings['engine_groups']}"
                   f" prefix groups offered at {settings['engine_rate']:g} req/s by `vllm bench serve --dataset-name "
-                  f"timed_trace`; Feather from the pretrained table; the simulator on the same trace beside):\n",
+                  f"timed_trace`, {settings['engine_rounds']} rounds: medians, per-round ratio range in brackets; "
+                  f"Feather from the pretrained table; the simulator on the same trace beside):\n",
                   "| workload | order | engine req/s | simulator req/s | engine vs FCFS | engine TTFT p50 (ms) | "
                   "engine TPOT p50 (ms) | median decodes / step |", "|---|---|---|---|---|---|---|---|"]
         for row in result["engine"]:
-            fcfs = next(r for r in result["engine"] if r["workload"] == row["workload"] and r["order"] == "fcfs")
-            ratio = row["engine"]["request_throughput"] / fcfs["engine"]["request_throughput"]
+            low, high = row["vs_fcfs_range"]
             lines.append(f"| {row['workload']} | {row['order']} | {row['engine']['request_throughput']:.2f} | "
-                         f"{row['simulator']['request_throughput']:.2f} | {ratio:.2f}x | "
+                         f"{row['simulator']['request_throughput']:.2f} | {row['vs_fcfs']:.2f}x [{low:.2f}-{high:.2f}] | "
                          f"{row['engine']['ttft_ms_p50']:.0f} | {row['engine']['tpot_ms_p50']:.1f} | "
                          f"{row['median_decodes']:.0f} |")
         lines.append("")
@@ -222,7 +248,7 @@ def markdown(result: dict) -> list[str]:
 
 
 def run(model: str, out: Path, decode: dict, requests: int, groups: int, cache_blocks: int, engine: bool,
-        engine_requests: int, engine_rate: float, engine_blocks: int) -> dict[str, Any]:
+        engine_requests: int, engine_rate: float, engine_blocks: int, engine_rounds: int = 3) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from preft.eval import eval_profile
@@ -241,6 +267,7 @@ def run(model: str, out: Path, decode: dict, requests: int, groups: int, cache_b
                 "max_len": AutoConfig.from_pretrained(model_dir).max_position_embeddings,
                 "shared_context_cost": shared_context_cost(cost_model, decode), "cost_model": str(cost_path),
                 "engine_requests": engine_requests, "engine_rate": engine_rate, "engine_blocks": engine_blocks,
+                "engine_rounds": engine_rounds,
                 "engine_groups": max(1, min(groups, engine_requests // 10))}
     state_path = out / "feather_state.json"
     pretrain_feather(cost_model, settings, state_path)

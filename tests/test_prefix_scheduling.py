@@ -148,9 +148,11 @@ def test_feather_adds_what_shares_and_stops_where_it_learned_to():
     tree.insert("first", chunk_keys(shared + [1, 2, 3], CHUNK))
     for i in range(3):
         tree.insert(f"same{i}", chunk_keys(shared + [10 + i] * 3, CHUNK))  # the same 8 chunks
-    tree.insert("other", chunk_keys([rng.randrange(100) for _ in range(64)], CHUNK))
+    stranger = [rng.randrange(100) for _ in range(64)]
+    tree.insert("other", chunk_keys(stranger, CHUNK))
+    tree.insert("other2", chunk_keys(stranger + [7] * 8, CHUNK))  # a group of its own: the bandit's call
     bandit = FeatherBandit()
-    stop_state = state_of(4, 8, 0, 0)
+    stop_state = state_of(4, 8, 0, 1)
     bandit.q[(stop_state, STOP)], bandit.n[(stop_state, STOP)] = 1000.0, 100
     bandit.q[(stop_state, ADD)], bandit.n[(stop_state, ADD)] = 1.0, 100
     admission = FeatherAdmission(tree, bandit, max_wait_s=60.0)
@@ -177,7 +179,9 @@ def stranger_admitted_at(max_wait_s: float) -> int | None:
     tree.insert("seed", chunk_keys(shared, CHUNK))
     tree.activate("seed")  # the shared prefix is running
     arrived = {"stranger": 0.0}
-    tree.insert("stranger", chunk_keys([rng.randrange(100) for _ in range(64)], CHUNK))
+    stranger = [rng.randrange(100) for _ in range(64)]
+    tree.insert("stranger", chunk_keys(stranger, CHUNK))
+    tree.insert("stranger-mate", chunk_keys(stranger + [9] * 8, CHUNK))  # a group: the bandit may STOP it
     running: list[str] = ["seed"]
     for now in range(40):
         for i in range(3):
@@ -190,6 +194,19 @@ def stranger_admitted_at(max_wait_s: float) -> int | None:
         while len(running) > 2:  # requests finish, making room
             tree.finish(running.pop(0))
     return None
+
+
+def test_feather_adds_a_stranger_with_no_group_to_wait_for():
+    rng = random.Random(5)
+    tree, bandit = ChunkedHashTree(), FeatherBandit()
+    for state in itertools.product(range(9), range(1, 6), range(7)):
+        bandit.q[(state, STOP)], bandit.q[(state, ADD)] = 1.0, 0.0  # a table that would STOP it
+    shared = [rng.randrange(100) for _ in range(64)]
+    tree.insert("seed", chunk_keys(shared, CHUNK))
+    tree.activate("seed")
+    tree.insert("alone", chunk_keys([rng.randrange(100) for _ in range(64)], CHUNK))
+    admission = FeatherAdmission(tree, bandit, max_wait_s=1e9, learn=False)
+    assert admission.admit(1, capacity=4, waited_s=lambda r: 0.0) == ["alone"] and admission.pending == []
 
 
 def test_feather_never_starves_a_request_whose_prefix_nobody_shares():

@@ -12,6 +12,11 @@ candidate comes from the :class:`~preft.serving.scheduling.chunked_hash_tree.Chu
 (fewest missing chunks). Rules before the bandit:
 
 - nothing lost (the candidate misses no chunk), or an empty batch: always ADD;
+- no prefix group to wait for (the candidate shares no chunk with the batch and no waiting
+  request shares its first chunk): ADD. A STOP keeps the slot for a request that shares
+  more, and the candidate, having the fewest missing chunks, shows none waits; without this
+  rule the bandit's exploration cost 2% of the no-sharing workload's throughput in the
+  simulator (1.82 vs FCFS 1.86 req/s) and nothing on the shared one;
 - the age bound: the oldest waiting request goes first (whatever prefix it has) when the
   candidate arrived more than ``max_wait_s`` after it. No request is overtaken by one that
   arrived more than ``max_wait_s`` later, so none starves; and under overload, when every
@@ -147,10 +152,10 @@ class FeatherAdmission:
         oldest = self.tree.oldest_request()  # the age bound first: no request starves
         if oldest != candidate and waited_s(oldest) - waited_s(candidate) > self.max_wait_s:
             return oldest
-        missing = self.tree.missing[candidate]
-        if missing > 0 and batch_size > 0:
-            state = state_of(batch_size, missing, self.tree.shared_chunks(candidate),
-                             self.tree.waiting_sharing_first_chunk(candidate))
+        missing, shared = self.tree.missing[candidate], self.tree.shared_chunks(candidate)
+        sharing_waiting = self.tree.waiting_sharing_first_chunk(candidate) if missing > 0 and batch_size > 0 else 0
+        if missing > 0 and batch_size > 0 and (shared > 0 or sharing_waiting > 0):
+            state = state_of(batch_size, missing, shared, sharing_waiting)
             action = self.bandit.choose(state) if self.learn else (self.bandit.greedy(state) or ADD)
             self.pending.append((state, action))
             if action == STOP:
