@@ -187,58 +187,79 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
         raise ValueError(f"--waiting must be >= {SELECTIONS}, --batch >= 1, --prefix-tokens >= 16")
     prefix_dir = Path(out) / "prefix"
     prefix_dir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"command": command_line("prefix", main, values), "machine": _machine()}
-    lines = ["## Prefix-aware scheduling: what it costs, what it can gain (`preft eval prefix`)\n",
-             f"Command: `{result['command']}` ({result['machine']}).\n"]
+    command = command_line("prefix", main, values)
+    result: dict[str, Any] = {"machine": _machine()}
     if "cost" in part_list:
         rows = []
         for count in counts:
             print(f"[prefix] cost: {count} waiting requests", flush=True)
             rows.append(measure_cost(count))
         result["cost"] = rows
-        lines += [f"**Selection cost, CHT vs radix tree** ({GROUPS} prefix groups, prompts of 1k-10k tokens, "
-                  f"chunks of {CHUNK_TOKENS} tokens; {SELECTIONS} selections, each activating its pick):\n",
-                  "| waiting | mean prompt | CHT arrival (ms/request) | radix arrival (ms/request) | "
-                  "CHT selection (ms) | radix selection (ms) | CHT / radix | same picks |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            lines.append(f"| {r['waiting']} | {r['mean_prompt_tokens']:.0f} | {1e3 * r['cht']['arrival_s']:.3f} | "
-                         f"{1e3 * r['radix']['arrival_s']:.3f} | {1e3 * r['cht']['selection_s']:.3f} | "
-                         f"{1e3 * r['radix']['selection_s']:.1f} | 1/{1 / r['selection_ratio']:.0f} | "
-                         f"{'yes' if r['same_picks'] else 'no'} |")
-        lines.append("")
     if "decode-batch" in part_list:
         print(f"[prefix] decode-batch: {batch} decodes, {prefix_tokens}-token prefixes, {model}", flush=True)
-        decode = measure_decode_batch(model, prefix_dir, batch, prefix_tokens)
-        result["decode_batch"] = decode
-        lines += [f"**A prefix-homogeneous decode batch on this CPU attention path** ({model}, {batch} requests "
-                  f"decoding {decode['decode_tokens']} tokens after {prefix_tokens}-token prompts, prefix caching on, "
-                  f"{decode['repeats']} rounds): median decode step {decode['shared']['median_ms']:.1f} ms when the "
-                  f"prompts share one prefix, {decode['distinct']['median_ms']:.1f} ms when they are distinct "
-                  f"(ratio {decode['shared_vs_distinct']:.3f}; per round "
-                  f"{' / '.join(f'{v:.1f}' for v in decode['shared']['per_round_median_ms'])} vs "
-                  f"{' / '.join(f'{v:.1f}' for v in decode['distinct']['per_round_median_ms'])} ms).\n"]
+        result["decode_batch"] = measure_decode_batch(model, prefix_dir, batch, prefix_tokens)
     if "scheduling" in part_list:
         from preft.eval import prefix_scheduling
 
         decode = result.get("decode_batch") or previous_decode_batch(prefix_dir, model)
         if decode is None:
-            print(f"[prefix] scheduling needs the decode-batch measurement: measuring it first", flush=True)
+            print("[prefix] scheduling needs the decode-batch measurement: measuring it first", flush=True)
             decode = result["decode_batch"] = measure_decode_batch(model, prefix_dir, batch, prefix_tokens)
-        scheduling = prefix_scheduling.run(model, prefix_dir, decode, requests, groups, cache_blocks, engine,
-                                           engine_requests, engine_rate, engine_blocks, engine_rounds)
-        result["scheduling"] = scheduling
-        lines += prefix_scheduling.markdown(scheduling)
+        result["scheduling"] = prefix_scheduling.run(model, prefix_dir, decode, requests, groups, cache_blocks,
+                                                     engine, engine_requests, engine_rate, engine_blocks,
+                                                     engine_rounds)
+    result["commands"] = {part: command for part in PARTS if part in result}
     previous = prefix_dir / "results.json"
-    if previous.is_file():  # parts not run this time keep their last results
+    if previous.is_file():  # parts not run this time keep their last results (and the commands that made them)
         kept = json.loads(previous.read_text())
-        result = {**{k: v for k, v in kept.items() if k in ("cost", "decode_batch", "scheduling")}, **result}
+        commands = {**kept.get("commands", {}), **result["commands"]}
+        result = {**{k: v for k, v in kept.items() if k in PARTS}, **result, "commands": commands}
     (prefix_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = "\n".join(lines)
+    text = "\n".join(render(result))
     (prefix_dir / "prefix.md").write_text(text)
     print(text)
     print(f"written: {prefix_dir / 'results.json'}, {prefix_dir / 'prefix.md'}")
     return result
+
+
+PARTS = ("cost", "decode_batch", "scheduling")
+
+
+def render(result: dict) -> list[str]:
+    """The markdown of every part in ``result``, each with the command that measured it."""
+    commands = result.get("commands", {})
+    lines = ["## Prefix-aware scheduling: what it costs, what it can gain (`preft eval prefix`)\n",
+             f"Machine: {result['machine']}.\n"]
+    if "cost" in result:
+        lines += [f"**Selection cost, CHT vs radix tree** (`{commands.get('cost', 'preft eval prefix')}`; {GROUPS} "
+                  f"prefix groups, prompts of 1k-10k tokens, chunks of {CHUNK_TOKENS} tokens; {SELECTIONS} "
+                  f"selections, each activating its pick):\n",
+                  "| waiting | mean prompt | CHT arrival (ms/request) | radix arrival (ms/request) | "
+                  "CHT selection (ms) | radix selection (ms) | CHT / radix | same picks |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in result["cost"]:
+            lines.append(f"| {r['waiting']} | {r['mean_prompt_tokens']:.0f} | {1e3 * r['cht']['arrival_s']:.3f} | "
+                         f"{1e3 * r['radix']['arrival_s']:.3f} | {1e3 * r['cht']['selection_s']:.3f} | "
+                         f"{1e3 * r['radix']['selection_s']:.1f} | 1/{1 / r['selection_ratio']:.0f} | "
+                         f"{'yes' if r['same_picks'] else 'no'} |")
+        lines.append("")
+    if "decode_batch" in result:
+        decode = result["decode_batch"]
+        lines += [f"**A prefix-homogeneous decode batch on this CPU attention path** "
+                  f"(`{commands.get('decode_batch', 'preft eval prefix')}`; {decode['model']}, {decode['batch']} "
+                  f"requests decoding {decode['decode_tokens']} tokens after {decode['prefix_tokens']}-token prompts, "
+                  f"prefix caching on, {decode['repeats']} rounds): median decode step "
+                  f"{decode['shared']['median_ms']:.1f} ms when the prompts share one prefix, "
+                  f"{decode['distinct']['median_ms']:.1f} ms when they are distinct (ratio "
+                  f"{decode['shared_vs_distinct']:.3f}; per round "
+                  f"{' / '.join(f'{v:.1f}' for v in decode['shared']['per_round_median_ms'])} vs "
+                  f"{' / '.join(f'{v:.1f}' for v in decode['distinct']['per_round_median_ms'])} ms).\n"]
+    if "scheduling" in result:
+        from preft.eval import prefix_scheduling
+
+        lines += [f"Admission orders: `{commands.get('scheduling', 'preft eval prefix --parts scheduling')}`.\n"]
+        lines += prefix_scheduling.markdown(result["scheduling"])
+    return lines
 
 
 def add_arguments(parser) -> None:

@@ -149,14 +149,17 @@ def main(out: str = "runs/eval", write_docs: bool = False, docs_dir: str | None 
 
 
 def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
-    """``name -> (markdown, its figures)`` for ``eval profile`` (one per model) and ``eval goodput``."""
+    """``name -> (markdown, its figures)`` for ``eval profile`` (one per model), ``eval goodput``,
+    ``eval prefix`` and ``eval pipeline``."""
     found = {}
     for markdown in sorted((root / "profile").glob("profile_*.md")):
         found[markdown.stem] = (markdown, [f"{markdown.stem}.png"])
     if (root / "goodput" / "goodput.md").is_file():
         found["goodput"] = (root / "goodput" / "goodput.md", ["goodput_sim.png", "goodput_engine.png"])
     if (root / "prefix" / "prefix.md").is_file():
-        found["prefix"] = (root / "prefix" / "prefix.md", [])
+        found["prefix"] = (root / "prefix" / "prefix.md", ["prefix_orders.png"])
+    if (root / "pipeline" / "pipeline.md").is_file():
+        found["pipeline"] = (root / "pipeline" / "pipeline.md", ["pipeline_sim.png"])
     return {name: (markdown, [p for p in pictures if (markdown.parent / p).is_file()])
             for name, (markdown, pictures) in found.items()}
 

@@ -16,8 +16,11 @@ EVALS = {
                                            "context) that SLOWeave and the simulator use"),
     "goodput": ("preft.eval.eval_goodput", "SLOWeave vs fixed prefill chunks and vLLM's default: goodput in the "
                                            "simulator on four workloads and on the real engine, with the gap"),
-    "prefix": ("preft.eval.eval_prefix", "prefix-aware scheduling: CHT vs radix-tree selection cost, and what a "
-                                         "shared-prefix decode batch gains on this attention path"),
+    "prefix": ("preft.eval.eval_prefix", "prefix-aware scheduling: CHT vs radix-tree selection cost, what a "
+                                         "shared-prefix decode batch gains, FCFS vs LPM vs Feather in the "
+                                         "simulator and on the engine"),
+    "pipeline": ("preft.eval.eval_pipeline", "pipeline-parallel prefill: WavePP chunk sizing vs fixed chunks in the "
+                                             "pipeline simulator and on the engine at PP=2"),
     "soak": ("preft.eval.eval_soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
     "report": ("preft.eval.eval_report", "every eval result in one report, and the accuracy/throughput figure"),
 }

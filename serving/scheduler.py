@@ -117,7 +117,8 @@ class PreftScheduler(Scheduler):
 
         if self.waiting:
             raise RuntimeError("the scheduling policies change only while no request waits")
-        self.chunk_policy = policy_from_spec(spec)
+        stages = self.vllm_config.parallel_config.pipeline_parallel_size
+        self.chunk_policy = policy_from_spec({**spec, "stages": stages} if "wavepp" in spec.get("name", "") else spec)
         if getattr(self.chunk_policy, "max_chunk", 0) > self.max_num_scheduled_tokens:
             logger.warning("preft: the %s scheduler's largest chunk %d is over the engine's token budget %d "
                            "(--max-num-batched-tokens): chunks stop at the budget", self.chunk_policy.name,
@@ -267,6 +268,10 @@ class PreftScheduler(Scheduler):
         capped = self.step_prefill_budget is not None and not _is_decode(request, num_computed_tokens)
         if capped:  # the chunk policy's budget for this step's prefill tokens
             num_new_tokens = min(num_new_tokens, self.step_prefill_budget)
+        sized = getattr(self.chunk_policy, "prefill_chunk", None)
+        if sized is not None and num_new_tokens and not _is_decode(request, num_computed_tokens):
+            # WavePP: this request's next chunk of its plan (a recomputed request: over all its tokens)
+            num_new_tokens = min(num_new_tokens, sized(request.request_id, num_computed_tokens, request.num_tokens))
         num_new_tokens = self._reft_slot_allows(request, num_computed_tokens, num_new_tokens)
         if capped:
             self.step_prefill_budget -= num_new_tokens

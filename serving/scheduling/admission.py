@@ -130,15 +130,17 @@ ADMISSIONS = ("fcfs", "lpm", "feather")
 def split_scheduler_name(name: str) -> tuple[str, str]:
     """``ADMISSION+CHUNK_POLICY`` (either part optional, in any order) -> (admission, chunk policy):
     ``feather`` -> (feather, default); ``feather+sloweave`` -> (feather, sloweave);
-    ``fixed:256`` -> (fcfs, fixed:256)."""
+    ``fixed:256`` -> (fcfs, fixed:256); ``feather+sloweave+wavepp`` -> (feather, sloweave+wavepp)."""
     parts = [part for part in name.split("+")]
     if any(not part for part in parts):
         raise ValueError(f"scheduler {name!r}: an empty part (expected e.g. feather+sloweave)")
     admissions = [part for part in parts if part in ADMISSIONS]
     chunks = [part for part in parts if part not in ADMISSIONS]
+    if sorted(chunks) == ["sloweave", "wavepp"]:  # a deadline budget per step, pipeline-sized chunks in it
+        chunks = ["sloweave+wavepp"]
     if len(admissions) > 1 or len(chunks) > 1:
         raise ValueError(f"scheduler {name!r}: at most one admission order ({', '.join(ADMISSIONS)}) and one "
-                         f"prefill chunk policy, joined by '+'")
+                         f"prefill chunk policy (sloweave+wavepp counts as one), joined by '+'")
     return (admissions or ["fcfs"])[0], (chunks or ["default"])[0]
 
 

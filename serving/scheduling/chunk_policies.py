@@ -15,6 +15,8 @@ objects.
 - :class:`FixedChunk`: at most ``C`` prefill tokens a step (Sarathi-style fixed budget).
 - :class:`preft.serving.scheduling.sloweave.SLOWeave`: the largest chunk predicted to meet the
   earliest decode deadline.
+- :class:`preft.serving.scheduling.wavepp.WavePP`: per request, chunks whose predicted pipeline
+  stage times are equal (``prefill_chunk``); with SLOWeave, :class:`DeadlineAndWaves`.
 
 :func:`make_policy` builds one from its name (``default``, ``fixed:256``, ``sloweave``; and
 ``cycle:16,64,256``, :class:`CyclingChunk`, which only calibrates the cost model).
@@ -79,9 +81,27 @@ class CyclingChunk:
         return min(self.sizes[self.step % len(self.sizes)], view.pending_prefill_tokens)
 
 
+class DeadlineAndWaves:
+    """SLOWeave's per-step budget, and within it WavePP's per-request chunk sizes."""
+
+    def __init__(self, sloweave, wavepp) -> None:
+        self.sloweave, self.wavepp = sloweave, wavepp
+        self.name, self.max_chunk = "sloweave+wavepp", sloweave.max_chunk
+
+    def prefill_budget(self, view: StepView) -> int:
+        return self.sloweave.prefill_budget(view)
+
+    def prefill_chunk(self, request_id: str, computed: int, prompt_tokens: int) -> int:
+        return self.wavepp.prefill_chunk(request_id, computed, prompt_tokens)
+
+
 def make_policy(name: str, *, cost_model=None, tpot_s: float | None = None, max_chunk: int = 2048,
-                margin_s: float = 0.0):
-    """``default`` | ``fixed:C`` | ``sloweave`` (which needs ``cost_model`` and ``tpot_s``)."""
+                margin_s: float = 0.0, stages: int = 1, min_chunk: int = 16):
+    """``default`` | ``fixed:C`` | ``sloweave`` (which needs ``cost_model`` and ``tpot_s``) |
+    ``wavepp`` (which needs ``cost_model``; ``stages`` is the pipeline's) | ``sloweave+wavepp``.
+
+    A policy with ``prefill_chunk(request_id, computed, prompt_tokens)`` (WavePP) also caps each
+    request's chunk, not only the step's prefill total."""
     if name == "default":
         return VllmDefault()
     if name.startswith("fixed:"):
@@ -100,11 +120,22 @@ def make_policy(name: str, *, cost_model=None, tpot_s: float | None = None, max_
         if cost_model is None or tpot_s is None:
             raise ValueError("the sloweave scheduler needs a step cost model and a TPOT target")
         return SLOWeave(cost_model, tpot_s=tpot_s, max_chunk=max_chunk, margin_s=margin_s)
-    raise ValueError(f"unknown scheduler {name!r} (choose from default, fixed:TOKENS, sloweave; "
+    if name in ("wavepp", "sloweave+wavepp"):
+        from preft.serving.scheduling.wavepp import StageCost, WavePP
+
+        if cost_model is None:
+            raise ValueError(f"the {name} scheduler needs a step cost model")
+        wavepp = WavePP(StageCost(cost_model, stages), min_chunk=min_chunk, max_chunk=max_chunk)
+        if name == "wavepp":
+            return wavepp
+        return DeadlineAndWaves(make_policy("sloweave", cost_model=cost_model, tpot_s=tpot_s, max_chunk=max_chunk,
+                                            margin_s=margin_s), wavepp)
+    raise ValueError(f"unknown scheduler {name!r} (choose from default, fixed:TOKENS, sloweave, wavepp; "
                      f"cycle:TOKENS,... calibrates)")
 
 
-SPEC_KEYS = {"name", "tpot_ms", "cost_model", "max_chunk", "margin_ms", "feather_state", "feather_max_wait_s"}
+SPEC_KEYS = {"name", "tpot_ms", "cost_model", "max_chunk", "margin_ms", "feather_state", "feather_max_wait_s",
+             "min_chunk", "stages"}
 
 
 def policy_from_spec(spec: dict):
@@ -122,4 +153,5 @@ def policy_from_spec(spec: dict):
     cost_model = StepCostModel.load(spec["cost_model"]) if spec.get("cost_model") else None
     tpot_s = spec["tpot_ms"] / 1e3 if spec.get("tpot_ms") is not None else None
     return make_policy(name, cost_model=cost_model, tpot_s=tpot_s, max_chunk=int(spec.get("max_chunk", 2048)),
-                       margin_s=float(spec.get("margin_ms", 0.0)) / 1e3)
+                       margin_s=float(spec.get("margin_ms", 0.0)) / 1e3, stages=int(spec.get("stages", 1)),
+                       min_chunk=int(spec.get("min_chunk", 16)))
