@@ -121,11 +121,7 @@ def main(model: str = "512x8", cost_model: str | None = None, stages: str = "2,4
     pipeline_dir.mkdir(parents=True, exist_ok=True)
     model_dir = eval_profile._model_dir(model, Path(out) / "profile")
     if cost_model is None:
-        name = model if model in ("default", "512x8") else Path(model_dir).name
-        cost_model = str(Path(out) / "profile" / f"cost_model_{name}_served.json")
-        if not Path(cost_model).is_file():
-            print(f"[pipeline] no served cost model for {model} yet: profiling it first", flush=True)
-            eval_profile.main(model=model, served=True, out=out)
+        cost_model = eval_profile.served_cost_model(model, model_dir, out, "pipeline")
     model_cost = StepCostModel.load(cost_model)
     max_chunk = max(fixed_list)
     print("[pipeline] simulator: single prompts", flush=True)

@@ -117,6 +117,17 @@ def _model_dir(model: str, root: Path) -> str:
     return resolve_model(model)
 
 
+def served_cost_model(model: str, model_dir: str, out: str | Path, tag: str) -> str:
+    """``OUT/profile/cost_model_MODEL_served.json``, the cost model calibrated on a served engine
+    under load; profiled first (``preft eval profile --served``) when it is missing."""
+    name = model if model in ("default", "512x8") else Path(model_dir).name
+    path = Path(out) / "profile" / f"cost_model_{name}_served.json"
+    if not path.is_file():
+        print(f"[{tag}] no served cost model for {model} yet: profiling it first", flush=True)
+        main(model=model, served=True, out=str(out))
+    return str(path)
+
+
 def plot(steps: list[dict], cost_model, path: Path, title: str) -> None:
     import matplotlib
 

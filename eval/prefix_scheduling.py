@@ -255,11 +255,7 @@ def run(model: str, out: Path, decode: dict, requests: int, groups: int, cache_b
     from preft.serving.scheduling.cost_model import StepCostModel
 
     model_dir = eval_profile._model_dir(model, out.parent / "profile")
-    name = model if model in ("default", "512x8") else Path(model_dir).name
-    cost_path = out.parent / "profile" / f"cost_model_{name}_served.json"
-    if not cost_path.is_file():
-        print(f"[prefix] no served cost model for {model} yet: profiling it first", flush=True)
-        eval_profile.main(model=model, served=True, out=str(out.parent))
+    cost_path = eval_profile.served_cost_model(model, model_dir, out.parent, "prefix")
     cost_model = StepCostModel.load(cost_path)
     ttft_s, tpot_s = targets(cost_model)
     settings = {"requests": requests, "groups": groups, "cache_blocks": cache_blocks, "max_num_seqs": 64,

@@ -42,12 +42,12 @@ class EnginePrefixCache:
     def __init__(self, kv_cache_manager) -> None:
         self.block_pool = require(kv_cache_manager, "block_pool")
         self.cached = require(self.block_pool, "cached_block_hash_to_block")
-        self.group_ids = [0]  # one KV cache group: the decoder models served here have one
+        self.group_id = 0  # one KV cache group: the decoder models served here have one
 
     def hit_blocks(self, keys: list) -> int:
         hits = 0
         for key in keys:
-            if not self.cached.get_one_block(make_block_hash_with_group_id(key, self.group_ids[0])):
+            if not self.cached.get_one_block(make_block_hash_with_group_id(key, self.group_id)):
                 break
             hits += 1
         return hits
