@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from peft import LoraConfig
+from transformers import TrainerCallback
 
 import preft
 from preft.recipe_config import check_fields
@@ -110,10 +111,52 @@ def check_keys(config: dict[str, Any], required: set[str], optional: set[str], w
         raise ValueError(f"{where}: unknown key(s) {unknown} (known: {sorted(required | optional)})")
 
 
+class LossBeforeTraining(TrainerCallback):
+    """The held-out loss before the first step, measured when training starts.
+
+    Not ``trainer.evaluate()`` before ``trainer.train()``: with transformers 5.19 and accelerate
+    1.15 that marks the bare model "prepared" (evaluation mode, no DDP wrapper), ``train()``
+    then skips the DDP wrap, and under ``accelerate launch`` every process trained its own copy
+    on its own rows (measured: the two ranks' gradients differed). At ``on_train_begin`` the
+    model is already wrapped."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.loss: float | None = None
+        trainer.add_callback(self)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            self.loss = self.trainer.evaluate()["eval_loss"]
+
+
+def seed_adapter_init(args) -> None:
+    """Seed torch with ``trainer.seed`` before the trainer is built. TRL makes the PEFT adapter
+    (its random LoRA A, ReFT rotation) in its ``__init__``, before ``Trainer`` seeds itself, so
+    without this the initial adapter depended on whatever ran before it in the process: under
+    ``accelerate launch`` it differed from the single-process run's."""
+    from transformers import set_seed
+
+    set_seed(args.seed)
+
+
+def is_main_process() -> bool:
+    """True in the one process that writes the run's files and prints its summary (every process
+    of a single-process run; rank 0 under ``accelerate launch``)."""
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
 def write_summary(output_dir: str, summary: dict[str, Any], started: float) -> Path:
+    """``OUTPUT_DIR/run_summary.json``, written by the main process only, atomically (a temp
+    file renamed over it)."""
     summary = dict(summary, wall_time_s=round(time.time() - started, 1))
     path = Path(output_dir) / "run_summary.json"
-    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if is_main_process():
+        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        os.replace(temp, path)
     return path
 
 

@@ -33,8 +33,8 @@ from preft.data import user_examples
 from preft.user_data import load_user_data
 from preft.recipe_config import check_section
 from preft.recipes.common import (
-    build_adapter_config, build_trl_args, check_keys, resolve_model, resolve_resume, train, train_log,
-    write_summary,
+    LossBeforeTraining, build_adapter_config, build_trl_args, check_keys, is_main_process, resolve_model, resolve_resume,
+    seed_adapter_init, train, train_log, write_summary,
 )
 from preft.trainers import PreftSFTTrainer
 
@@ -72,11 +72,13 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     peft_config = build_adapter_config(config["adapter"])
     args = build_trl_args(SFTConfig, config["trainer"], output_dir)
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
+    seed_adapter_init(args)
     trainer = PreftSFTTrainer(model=model_path, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, peft_config=peft_config)
 
-    initial_eval = None if resume else trainer.evaluate()["eval_loss"]
+    before = LossBeforeTraining(trainer)
     train(trainer, resume)
+    initial_eval = before.loss
     final_eval = trainer.evaluate()["eval_loss"]
 
     # 4. save
@@ -94,8 +96,9 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
         "config": config,
     }
     path = write_summary(output_dir, summary, started)
-    Console().print(f"[bold]sft[/bold]: {summary['steps']} steps, eval loss {initial_eval} -> {final_eval:.4f}; "
-                    f"adapter in {adapter_dir}, summary in {path}")
+    if is_main_process():
+        Console().print(f"[bold]sft[/bold]: {summary['steps']} steps, eval loss {initial_eval} -> {final_eval:.4f}; "
+                        f"adapter in {adapter_dir}, summary in {path}")
     return summary
 
 
