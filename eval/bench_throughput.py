@@ -91,7 +91,7 @@ class Engine:
     """One variant's engine (:class:`preft.serving.engine_driver.EngineProcess`), kept alive."""
 
     def __init__(self, name: str, settings: dict, spec: dict, tmp: Path) -> None:
-        engine = {"max_num_seqs": len(spec["prompts"])}
+        engine = {"max_num_seqs": len(spec["prompts"]), **spec.get("engine", {})}  # engine: e.g. GPU settings
         slots = max(spec["adapter_counts"]) + 1
         if settings["lora"]:
             engine.update(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=spec["rank"])
@@ -119,12 +119,14 @@ class Engine:
 
 
 def measure(spec: dict, tmp: Path, rounds: int) -> list[dict]:
-    """Per measured round: ``{variant: {N: tok/s}}``, the variants alternating within a round."""
+    """Per measured round: ``{variant: {N: tok/s}}``, the variants (``spec["variants"]``, default
+    all) alternating within a round."""
     engines = {}
+    names = spec.get("variants") or list(VARIANTS)
     try:
-        for name, settings in tqdm(VARIANTS.items(), desc="start engines"):
-            engines[name] = Engine(name, settings, spec, tmp)
-        names, measured = list(VARIANTS), []
+        for name in tqdm(names, desc="start engines"):
+            engines[name] = Engine(name, VARIANTS[name], spec, tmp)
+        measured = []
         steps = tqdm(total=(rounds + 1) * len(spec["adapter_counts"]) * len(names), desc="interleaved runs")
         for round_index in range(rounds + 1):
             order = names[round_index % len(names):] + names[: round_index % len(names)]
@@ -142,15 +144,19 @@ def measure(spec: dict, tmp: Path, rounds: int) -> list[dict]:
             engine.close()
 
 
-def summarize(measured: list[dict], counts: list[str]) -> dict:
+def summarize(measured: list[dict], counts: list[str], variants: list[str] | None = None) -> dict:
     """Median tok/s, medians of the per-round ratios to base and to stock, and the range of the
     per-round ratios to base, per variant and N."""
     summary = {}
-    for name in VARIANTS:
+    variants = variants or list(VARIANTS)
+    references = [("tokens_per_s", None), ("vs_base", "base")]
+    if "stock all-token LoRA" in variants:
+        references.append(("vs_stock", "stock all-token LoRA"))
+    for name in variants:
         ratios = {c: [r[name][c] / r["base"][c] for r in measured] for c in counts}
         summary[name] = {
             key: {c: statistics.median(r[name][c] / (r[ref][c] if ref else 1.0) for r in measured) for c in counts}
-            for key, ref in (("tokens_per_s", None), ("vs_base", "base"), ("vs_stock", "stock all-token LoRA"))
+            for key, ref in references
         }
         summary[name]["vs_base_range"] = {c: [min(ratios[c]), max(ratios[c])] for c in counts}
     return summary

@@ -21,6 +21,8 @@ EVALS = {
                                          "simulator and on the engine"),
     "pipeline": ("preft.eval.eval_pipeline", "pipeline-parallel prefill: WavePP chunk sizing vs fixed chunks in the "
                                              "pipeline simulator and on the engine at PP=2"),
+    "gpu": ("preft.eval.eval_gpu", "the GPU path in one short run (make gpu-check): parity with HF in bfloat16, "
+                                   "Triton kernels vs references, throughput at 1/64/512 adapters"),
     "soak": ("preft.eval.eval_soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
     "report": ("preft.eval.eval_report", "every eval result in one report, and the accuracy/throughput figure"),
 }

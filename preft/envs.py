@@ -21,6 +21,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "PREFT_STOCK_LORA_OPS": (lambda: os.environ.get("PREFT_STOCK_LORA_OPS") == "1",
                              "1: keep vLLM's own CPU LoRA ops (to measure them in the benchmarks; they are wrong "
                              "on steps that mix adapter and no-adapter tokens)"),
+    "PREFT_TORCH_REFT": (lambda: os.environ.get("PREFT_TORCH_REFT") == "1",
+                         "1: on CUDA, run the ReFT-P edit with the torch reference instead of the Triton kernel "
+                         "(to measure the kernel against it)"),
     "PREFT_REFT_SLOTS": (lambda: int(os.environ["PREFT_REFT_SLOTS"]) if os.environ.get("PREFT_REFT_SLOTS") else None,
                          "ReFT-P bundles the engine holds at once (default: the engine's max_loras, else 8; "
                          "set by `preft serve --max-adapters`)"),

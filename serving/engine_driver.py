@@ -76,10 +76,11 @@ class EngineProcess:
         return self._read()
 
     def generate(self, requests: list[dict], max_tokens: int, sequential: bool = False,
-                 ignore_eos: bool = False) -> dict:
-        """``{"tokens": [[ids] per request], "seconds": s}``; ``sequential``: one request at a time."""
+                 ignore_eos: bool = False, logprobs: bool = False) -> dict:
+        """``{"tokens": [[ids] per request], "seconds": s}``; ``sequential``: one request at a time;
+        ``logprobs``: also ``"logprobs": [[log p of each generated token] per request]``."""
         return self._ask({"generate": requests, "max_tokens": max_tokens, "sequential": sequential,
-                          "ignore_eos": ignore_eos})
+                          "ignore_eos": ignore_eos, "logprobs": logprobs})
 
     def set_scheduler(self, spec: dict) -> dict:
         """Switch the engine's prefill chunk policy and admission order (a ``PREFT_SCHEDULER``
@@ -146,7 +147,8 @@ def _serve(spec: dict) -> None:
         for request in command["generate"]:
             prompts.append(request["prompt"])
             extra = {REFT_EXTRA_ARG: request["reft"]} if request.get("reft") else None
-            params.append(SamplingParams(temperature=0.0, max_tokens=n, extra_args=extra, **length))
+            params.append(SamplingParams(temperature=0.0, max_tokens=n, extra_args=extra,
+                                         logprobs=0 if command.get("logprobs") else None, **length))
             loras.append(LoRARequest(*request["lora"]) if request.get("lora") else None)
         started = time.perf_counter()
         if command.get("sequential"):  # one request at a time, in order (prefix-cache tests)
@@ -155,7 +157,11 @@ def _serve(spec: dict) -> None:
         else:
             outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         seconds = time.perf_counter() - started
-        _reply({"tokens": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds})
+        answer = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds}
+        if command.get("logprobs"):
+            answer["logprobs"] = [[step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                                  for o in outputs]
+        _reply(answer)
 
 
 if __name__ == "__main__":

@@ -146,27 +146,49 @@ class ReftBank:
         self.loads += 1
 
     def apply(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor, plan: TilePlan) -> torch.Tensor:
-        """``hidden`` with the ReFT edit of ``plan``'s rows added (``hidden + residual`` is the stream)."""
-        rows = plan.num_rows
-        stream = (hidden[:rows] + residual[:rows]).float()                              # [rows, d]
-        r, weights, bias = self.rank, self.source_and_proj[layer], self.source_bias[layer]
-        if plan.single_slot is not None:  # plain matmuls over every row, masked (the rank is small)
-            slot = plan.single_slot
-            both = stream @ weights[slot].t()                                            # [rows, 2r]
-            edit = both[:, :r] + bias[slot] - self.rh_sign[slot] * both[:, r:]
-            if plan.row_mask is not None:
-                edit = edit * plan.row_mask
-            delta = edit @ weights[slot, r:]                                             # [rows, d]
-        else:
-            tiles = stream.index_select(0, plan.gather).view(-1, plan.tile_rows, stream.shape[-1])
-            tile_weights = weights.index_select(0, plan.tile_slots)                     # [tiles, 2r, d]
-            both = torch.bmm(tiles, tile_weights.transpose(1, 2))                        # [tiles, T, 2r]
-            sign = self.rh_sign.index_select(0, plan.tile_slots)[:, None, None]
-            edit = both[..., :r] + bias.index_select(0, plan.tile_slots)[:, None, :] - sign * both[..., r:]
-            delta = torch.bmm(edit * plan.tile_mask, tile_weights[:, r:])               # [tiles, T, d]
-            delta = delta.view(-1, stream.shape[-1]).index_select(0, plan.untile)
-        hidden[:rows] += delta.to(hidden.dtype)  # in place: a fresh activation, inference only
-        return hidden
+        """``hidden`` with the ReFT edit of ``plan``'s rows added (``hidden + residual`` is the stream):
+        the Triton kernel on CUDA (:func:`preft.kernels.reft_tiles.triton_reft_edit`), the torch
+        reference :func:`reft_edit` elsewhere."""
+        return self._edit(hidden, residual, plan, self.source_and_proj[layer], self.source_bias[layer],
+                          self.rh_sign, self.rank)
+
+    @property
+    def _edit(self):
+        if self.device.type == "cuda" and not envs.PREFT_TORCH_REFT:
+            from preft.kernels.reft_tiles import triton_reft_edit  # Triton only where it compiles
+
+            return triton_reft_edit
+        return reft_edit
+
+
+def reft_edit(hidden: torch.Tensor, residual: torch.Tensor, plan: TilePlan, weights: torch.Tensor,
+              bias: torch.Tensor, sign: torch.Tensor, rank: int) -> torch.Tensor:
+    """``hidden[row] += P_s^T (W_s h + b_s - k_s P_s h)`` for every row of ``plan``, with
+    ``h = hidden[row] + residual[row]`` and ``s`` the row's slot, in place; returns ``hidden``.
+
+    ``weights`` ``[slots, 2r, d]`` is ``[W_s; P_s]`` per slot, ``bias`` ``[slots, r]``, ``sign``
+    ``[slots]`` is ``k_s`` (1 LoReFT, 0 DiReFT), ``rank`` is ``r``. The torch reference of
+    :func:`preft.kernels.reft_tiles.triton_reft_edit` (same arguments, same result)."""
+    rows = plan.num_rows
+    stream = (hidden[:rows] + residual[:rows]).float()                                  # [rows, d]
+    r = rank
+    if plan.single_slot is not None:  # plain matmuls over every row, masked (the rank is small)
+        slot = plan.single_slot
+        both = stream @ weights[slot].t()                                                # [rows, 2r]
+        edit = both[:, :r] + bias[slot] - sign[slot] * both[:, r:]
+        if plan.row_mask is not None:
+            edit = edit * plan.row_mask
+        delta = edit @ weights[slot, r:]                                                 # [rows, d]
+    else:
+        tiles = stream.index_select(0, plan.gather).view(-1, plan.tile_rows, stream.shape[-1])
+        tile_weights = weights.index_select(0, plan.tile_slots)                         # [tiles, 2r, d]
+        both = torch.bmm(tiles, tile_weights.transpose(1, 2))                            # [tiles, T, 2r]
+        tile_sign = sign.index_select(0, plan.tile_slots)[:, None, None]
+        edit = both[..., :r] + bias.index_select(0, plan.tile_slots)[:, None, :] - tile_sign * both[..., r:]
+        delta = torch.bmm(edit * plan.tile_mask, tile_weights[:, r:])                   # [tiles, T, d]
+        delta = delta.view(-1, stream.shape[-1]).index_select(0, plan.untile)
+    hidden[:rows] += delta.to(hidden.dtype)  # in place: a fresh activation, inference only
+    return hidden
 
 
 def build_reft_plan(bank: ReftBank, bundles: list[str | None], num_computed_tokens: np.ndarray,

@@ -143,6 +143,9 @@ def scheduler_spec(args) -> dict:
     if admission != "feather" and (args.feather_state or args.feather_max_wait_s is not None):
         raise ExportError(f"--feather-state and --feather-max-wait-s are Feather's; --scheduler {args.scheduler} "
                           "does not use them")
+    if any(a == "--async-scheduling" or a.startswith("--async-scheduling=") for a in args.vllm_args):
+        raise ExportError("--async-scheduling cannot run with PreFT's scheduler (a synchronous vLLM Scheduler "
+                          "subclass); PreFT turns async scheduling off")
     if admission != "fcfs" and "--no-enable-prefix-caching" in args.vllm_args:
         raise ExportError(f"--scheduler {args.scheduler} orders requests by their prefix-cache blocks: it needs "
                           "prefix caching (drop --no-enable-prefix-caching)")

@@ -20,11 +20,15 @@ class StepContext:
     """``lora_plan``: the rows of this step with a LoRA slot (CPU ops only; ``None``: no LoRA
     work). ``reft_plan``: the rows with a ReFT-P bank slot (``None``: no ReFT work).
     ``failed_requests``: ``{request id: reason}`` of the requests whose adapter could not be set
-    up this step (their rows run without it; the scheduler fails them and drops their tokens)."""
+    up this step (their rows run without it; the scheduler fails them and drops their tokens).
+    ``num_active_loras``: how many LoRAs have a token this step by the rule (``None``: the step
+    has not mapped its LoRAs); a decode-only step of prefill-only requests has 0, and vLLM's
+    CUDA-graph dispatch takes the no-LoRA graph for it."""
 
     lora_plan: TilePlan | None = None
     reft_plan: TilePlan | None = None
     failed_requests: dict[str, str] = field(default_factory=dict)
+    num_active_loras: int | None = None
 
 
 _CONTEXT = StepContext()

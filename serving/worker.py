@@ -27,12 +27,18 @@
    not None`` on its first request. Worth an upstream report: "CPU backend, eager mode:
    pipeline parallel fails on the second stage's first request; the intermediate-tensor buffer
    is only allocated by the warm-up dummy run that eager mode skips".
+7. ``GPUModelRunner._determine_batch_execution_and_padding``: the CUDA-graph dispatch counts
+   the LoRAs that have a token this step by the rule (:func:`dispatch_with_active_loras`), not
+   every LoRA of the batch's requests (vLLM's count), so a decode-only step of prefill-only
+   requests counts 0 and runs the base model's graph. On CPU there are no graphs; the count is
+   passed the same way.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 
 import numpy as np
 
@@ -76,6 +82,7 @@ def make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens:
     )
     used = set(np.unique(token_ids).tolist()) | set(np.unique(sampled_ids).tolist())
     active_requests = {request for lora_id, request in self.lora_id_to_lora_request.items() if lora_id in used}
+    set_step_context(replace(get_step_context(), num_active_loras=len(active_requests)))
     return tuple(sampled_ids.tolist()), tuple(token_ids.tolist()), active_requests
 
 
@@ -124,7 +131,20 @@ def prepare_step(runner, num_scheduled_tokens: np.ndarray) -> None:
         for index, reason in failures.items():
             context.failed_requests[batch.req_ids[index]] = reason
             logger.error("preft: failing request %s: %s", batch.req_ids[index], reason)
-    set_step_context(StepContext(lora_plan=lora_plan, reft_plan=reft_plan, failed_requests=context.failed_requests))
+    set_step_context(StepContext(lora_plan=lora_plan, reft_plan=reft_plan, failed_requests=context.failed_requests,
+                                 num_active_loras=context.num_active_loras))
+
+
+def dispatch_with_active_loras(original, runner, *args, **kwargs):
+    """``_determine_batch_execution_and_padding`` with the step's LoRA count by the rule. vLLM
+    counts ``input_batch.lora_id_to_lora_request`` (every LoRA of the batch's requests), which
+    under LoRA-P would send decode-only steps to a LoRA graph; explicit counts (graph capture,
+    dummy runs) are left alone."""
+    active = get_step_context().num_active_loras
+    if active is not None and kwargs.get("force_num_active_loras") is None and kwargs.get("force_has_lora") is None:
+        kwargs["force_num_active_loras"] = active
+        kwargs["force_has_lora"] = active > 0
+    return original(runner, *args, **kwargs)
 
 
 def finish_step(output):
@@ -217,6 +237,8 @@ def patch() -> None:
         result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
         prepare_step(self, num_scheduled_tokens)
         return result
+
+    wrap(GPUModelRunner, "_determine_batch_execution_and_padding")(dispatch_with_active_loras)
 
     require(LRUCacheWorkerLoRAManager, "add_adapter")
     wrap(LoRAModelRunnerMixin, "_set_active_loras")(set_active_loras_guarded)

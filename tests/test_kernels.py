@@ -48,3 +48,63 @@ def test_rows_without_an_adapter_are_left_exactly_alone():
     untouched = indices < 0
     assert torch.equal(y[untouched], before[untouched])
     assert (y[~untouched] - before[~untouched]).abs().min() > 0
+
+
+def reft_bank_tensors(slots: int, rank: int, hidden: int, ranks: list[int]):
+    """A ReFT-P bank's per-layer tensors: ``[W; P]`` per slot, bias, k; slot i of rank ``ranks[i]``
+    zero-padded to ``rank`` (as :class:`preft.serving.reft.ReftBank` stacks mixed ranks)."""
+    weights = torch.randn(slots, 2 * rank, hidden, device=DEVICE) / hidden ** 0.5
+    bias = torch.randn(slots, rank, device=DEVICE)
+    for slot, own in enumerate(ranks):
+        weights[slot, own:rank] = 0
+        weights[slot, rank + own:] = 0
+        bias[slot, own:] = 0
+    sign = torch.tensor([1.0, 0.0] * (slots // 2), device=DEVICE)  # LoReFT and DiReFT slots
+    return weights, bias, sign
+
+
+@pytest.mark.parametrize("indices, tile_rows", [
+    ([3, 3, 3, -1, 0, 0, 1, 1, 1, 1, 1, -1, -1, 3, 2] * 5, 4),  # tiles of 4, padding, no-slot rows
+    ([3, 3, 3, -1, 0, 0, 1, 1, 1, 1, 1, -1, -1, 3, 2] * 5, None),
+    ([2] * 70, None),                   # one slot for every row
+    ([-1, 1, 1, -1, 1, -1] * 3, None),  # one slot, some rows
+    ([0, 1, 2, 3] * 8, None),           # segments of length 1 (decode-like)
+], ids=["many-slots-tiles-of-4", "many-slots", "one-slot-all-rows", "one-slot-some-rows", "segments-of-one"])
+def test_reft_kernel_equals_the_torch_reference(indices, tile_rows):
+    from preft.kernels.reft_tiles import triton_reft_edit
+    from preft.serving.reft import reft_edit
+
+    torch.manual_seed(0)
+    indices = torch.tensor(indices, device=DEVICE)
+    rows, hidden, rank = indices.numel(), 40, 4  # 40: past one 32-wide block of the hidden size
+    weights, bias, sign = reft_bank_tensors(4, rank, hidden, ranks=[4, 2, 4, 1])  # mixed ranks
+    stream, residual = torch.randn(rows + 3, hidden, device=DEVICE), torch.randn(rows + 3, hidden, device=DEVICE)
+    plan = build_tile_plan(indices, tile_rows=tile_rows)
+    expected = reft_edit(stream.clone(), residual, plan, weights, bias, sign, rank)
+    got = triton_reft_edit(stream.clone(), residual, plan, weights, bias, sign, rank)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    edited = torch.zeros(rows + 3, dtype=torch.bool, device=DEVICE)
+    edited[:rows] = indices >= 0
+    assert torch.equal(got[~edited], stream[~edited])  # rows without a slot, and rows past the plan
+    assert (got[edited] - stream[edited]).abs().amax(dim=1).min() > 0
+
+
+def test_reft_kernel_in_bfloat16_and_without_rows():
+    from preft.kernels.reft_tiles import triton_reft_edit
+    from preft.serving.reft import reft_edit
+
+    torch.manual_seed(1)
+    indices = torch.tensor([0, 0, 1, -1, 1, 1, 0, -1] * 6, device=DEVICE)
+    weights, bias, sign = reft_bank_tensors(2, 8, 64, ranks=[8, 4])
+    stream = torch.randn(indices.numel(), 64, device=DEVICE).to(torch.bfloat16)
+    residual = torch.randn(indices.numel(), 64, device=DEVICE).to(torch.bfloat16)
+    plan = build_tile_plan(indices)
+    exact = reft_edit(stream.float(), residual.float(), plan, weights, bias, sign, 8)
+    got = triton_reft_edit(stream.clone(), residual, plan, weights, bias, sign, 8)
+    reference = reft_edit(stream.clone(), residual, plan, weights, bias, sign, 8)
+    # bf16 keeps 8 bits of mantissa: both round the float32 result once (|error| <= 2^-8 relative)
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(got, reference, rtol=2 ** -7, atol=2 ** -7)
+    untouched = stream.clone()
+    assert torch.equal(triton_reft_edit(untouched, residual, None, weights, bias, sign, 8), stream)  # no rows
+    assert build_tile_plan(torch.full((5,), -1, device=DEVICE)) is None

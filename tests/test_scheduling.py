@@ -222,6 +222,7 @@ def test_preft_serve_checks_its_scheduler_flags_before_anything_starts(tmp_path,
                             "existing directory"),
                            (["--scheduler", "feather", "--feather-max-wait-s", "0"], "must be > 0"),
                            (["--scheduler", "feather", "--", "--no-enable-prefix-caching"], "needs prefix caching"),
+                           (["--", "--async-scheduling"], "--async-scheduling cannot run with PreFT's scheduler"),
                            (["--tpot-ms", "40"], "SLOWeave's")):
         assert main(["serve", *flags, "--port", "1"]) == 2
         err = capsys.readouterr().err
