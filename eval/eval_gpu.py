@@ -12,10 +12,12 @@ another fails; the exit status is non-zero if any part failed:
    best), and the log-probs of the agreed tokens match within ``--tolerance``. As a control,
    the same tokens scored with the adapter on every token (the all-token rule) must miss by
    more than the tolerance for LoRA-P, or the check could not fail.
-2. ``kernels``: ``tests/test_kernels.py`` on the GPU (compiled Triton, not the interpreter).
+2. ``kernels``: ``tests/test_kernels.py`` on the GPU (compiled Triton, not the interpreter), and
+   each kernel timed against its torch reference on one prefill step's shape.
 3. ``throughput``: base / stock multi-LoRA (all-token, vLLM's punica kernels) / LoRA-P / ReFT-P
    at 1, 64 and 512 adapters, 512 prompts of 128 tokens, 128 output tokens, on the 0.5B model
-   (:mod:`preft.eval.bench_throughput`'s interleaved rounds, with CUDA graphs).
+   (:mod:`preft.eval.bench_throughput`'s interleaved rounds; eager engines, as ``preft serve``
+   runs them).
 
 Writes ``OUT/gpu/results.json`` and ``OUT/gpu/gpu.md``; ``--write-docs`` also puts the section
 (with the GPU's name) into ``docs/RESULTS.md``. Without a GPU it stops at once with one line,
@@ -155,12 +157,47 @@ def parity(model_name: str, root: Path, dtype: torch.dtype, device: str, toleran
             "worst_logprob_gap": max(r["worst_logprob_gap"] for r in results)}
 
 
+def kernel_timings() -> dict:
+    """On CUDA: each Triton kernel against its torch reference on one prefill step's shape (2048
+    rows in 32 segments of 64 adapters, hidden 1280, rank 16), ``triton.testing.do_bench`` ms."""
+    from triton.testing import do_bench
+
+    from preft.kernels.lora_tiles import triton_planned_lora_linear
+    from preft.kernels.reft_tiles import triton_reft_edit
+    from preft.serving import lora_ops
+    from preft.serving.reft import reft_edit
+    from preft.serving.tile_plan import build_tile_plan
+
+    torch.manual_seed(0)
+    rows, hidden, rank, slots = 2048, 1280, 16, 64
+    indices = torch.arange(32, device="cuda").repeat_interleave(rows // 32) % slots
+    plan = build_tile_plan(indices)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(rows, 3 * hidden, device="cuda", dtype=torch.bfloat16)
+    lora_a = tuple(torch.randn(slots, 1, rank, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    lora_b = tuple(torch.randn(slots, 1, hidden, rank, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    weights = lora_ops.PlannedLoraWeights(lora_a, lora_b, (hidden,) * 3)
+    bank = torch.randn(slots, 2 * rank, hidden, device="cuda") / hidden ** 0.5
+    bias, sign = torch.randn(slots, rank, device="cuda"), torch.ones(slots, device="cuda")
+    residual = torch.randn_like(x)
+    timings = {
+        "lora_qkv_triton_ms": do_bench(lambda: triton_planned_lora_linear(y, x, plan, weights, 1.0)),
+        "lora_qkv_torch_ms": do_bench(lambda: lora_ops.planned_lora_linear(y, x, plan, weights, 1.0)),
+        "reft_triton_ms": do_bench(lambda: triton_reft_edit(x, residual, plan, bank, bias, sign, rank)),
+        "reft_torch_ms": do_bench(lambda: reft_edit(x, residual, plan, bank, bias, sign, rank)),
+    }
+    return {key: round(value, 4) for key, value in timings.items()}
+
+
 def kernels(device: str) -> dict:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_kernels.py", "tests/test_gpu_path.py"],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
     tail = (done.stdout + done.stderr).strip().splitlines()
-    return {"passed": done.returncode == 0, "summary": tail[-1] if tail else "", "device": device,
-            "output_tail": "\n".join(tail[-30:])}
+    result = {"passed": done.returncode == 0, "summary": tail[-1] if tail else "", "device": device,
+              "output_tail": "\n".join(tail[-30:])}
+    if device == "cuda":  # interpreter timings on CPU would mean nothing
+        result["timings"] = kernel_timings()
+    return result
 
 
 def throughput(model_name: str, root: Path, counts: list[int], prompts: int, prompt_tokens: int, output_tokens: int,
@@ -213,6 +250,11 @@ def report(result: dict) -> str:
             lines.append("")
         elif part == "kernels":
             lines += [f"**Kernels vs their torch references** on {outcome['device']}: {outcome['summary']}", ""]
+            if "timings" in outcome:
+                t = outcome["timings"]
+                lines += ["One prefill step (2048 rows in 32 segments of 64 adapters, hidden 1280, rank 16, bf16): "
+                          f"LoRA q/k/v Triton {t['lora_qkv_triton_ms']:.3f} ms vs torch {t['lora_qkv_torch_ms']:.3f} ms; "
+                          f"ReFT-P Triton {t['reft_triton_ms']:.3f} ms vs torch {t['reft_torch_ms']:.3f} ms.", ""]
         elif part == "throughput":
             counts = outcome["adapter_counts"]
             header = "N = " + " / ".join(counts)
@@ -259,10 +301,8 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
         raise ValueError(f"--prompts {prompts} is fewer than --adapters {max(counts)}")
     device = "cuda" if on_gpu else "cpu"
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    # GPU: CUDA graphs on (what users serve with), one LoRA graph rather than one per adapter count
-    engine_extra = ({"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.85,
-                     "compilation_config": {"cudagraph_specialize_lora": False}} if on_gpu
-                    else {"dtype": "float32"})
+    # eager, as `preft serve` runs (ReFT-P's hooks are not captured by torch.compile or CUDA graphs)
+    engine_extra = ({"dtype": "bfloat16", "gpu_memory_utilization": 0.85} if on_gpu else {"dtype": "float32"})
     variants = ["base", "stock all-token LoRA", "LoRA-P", "ReFT-P"]
     root = Path(out) / "gpu"
     root.mkdir(parents=True, exist_ok=True)
@@ -283,8 +323,7 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
         print(f"[gpu] {part} ({elapsed:.0f} s so far)", flush=True)
         try:
             if part == "parity":
-                runs = [parity(name, root, dtype, device, tolerance, 12, {} if not on_gpu else {"enforce_eager": True})
-                        for name in model_list]
+                runs = [parity(name, root, dtype, device, tolerance, 12, {}) for name in model_list]
                 result[part] = {"runs": runs, "passed": all(r["passed"] for r in runs)}
             elif part == "kernels":
                 result[part] = kernels(device)

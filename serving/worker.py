@@ -55,6 +55,22 @@ logger = logging.getLogger(__name__)
 
 #: this worker's ReFT-P bank (one per worker process, made when the model is loaded)
 REFT_BANK: reft.ReftBank | None = None
+#: why this worker cannot apply ReFT-P (a compiled or graph-captured model), or None
+REFT_UNAVAILABLE: str | None = None
+
+
+def reft_unavailable_reason(compilation_config) -> str | None:
+    """ReFT-P's hooks are Python on the decoder layers, reading the step context: torch.compile
+    would trace them once and CUDA graphs replay what they did at capture (nothing), so the edit
+    would silently not happen. Such an engine fails ReFT-P requests with this reason instead."""
+    mode = getattr(compilation_config, "mode", 0)
+    graphs = getattr(compilation_config, "cudagraph_mode", None)
+    compiled = int(getattr(mode, "value", mode) or 0) != 0
+    captured = graphs is not None and getattr(graphs, "name", str(graphs)) != "NONE"
+    if compiled or captured:
+        return ("ReFT-P needs an eager engine (enforce_eager=True, as preft serve runs): its layer hooks are not "
+                "captured by torch.compile or CUDA graphs")
+    return None
 
 
 def fail_requests_of_lora(batch, lora_id: int, reason: str) -> None:
@@ -125,6 +141,11 @@ def prepare_step(runner, num_scheduled_tokens: np.ndarray) -> None:
         batch = runner.input_batch
         n = batch.num_reqs
         bundles = [reft.reft_bundle_of(runner.requests[req_id].sampling_params) for req_id in batch.req_ids[:n]]
+        if REFT_UNAVAILABLE is not None:
+            for index, bundle in enumerate(bundles):
+                if bundle:
+                    context.failed_requests[batch.req_ids[index]] = REFT_UNAVAILABLE
+            bundles = [None] * n
         failures: dict[int, str] = {}
         reft_plan = reft.build_reft_plan(REFT_BANK, bundles, batch.num_computed_tokens_cpu[:n],
                                          batch.num_prompt_tokens[:n], np.asarray(num_scheduled_tokens[:n]), failures)
@@ -174,7 +195,8 @@ def allocate_intermediate_tensors(runner) -> None:
 
 def install_reft(runner) -> None:
     """Make this worker's ReFT-P bank and hook the decoder layers of the model just loaded."""
-    global REFT_BANK
+    global REFT_BANK, REFT_UNAVAILABLE
+    REFT_UNAVAILABLE = reft_unavailable_reason(runner.vllm_config.compilation_config)
     model = runner.get_model()
     layers = reft.decoder_layers(model)
     if layers is None:

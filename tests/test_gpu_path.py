@@ -108,6 +108,17 @@ def test_reft_on_cpu_runs_the_torch_reference_and_imports_no_kernel():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_a_compiled_or_graph_captured_engine_refuses_reft_rather_than_skipping_it():
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    eager = CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE)
+    assert worker.reft_unavailable_reason(eager) is None
+    for config in (CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.NONE),
+                   CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY)):
+        assert "ReFT-P needs an eager engine" in worker.reft_unavailable_reason(config)
+
+
 @CUDA
 def test_reft_on_cuda_runs_the_triton_kernel():
     from preft.kernels.reft_tiles import triton_reft_edit
