@@ -276,7 +276,8 @@ def report(result: dict) -> str:
 
 
 def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", throughput_model: str = "0.5B",
-         adapters: str = "1,64,512", prompts: int = 512, prompt_tokens: int = 128, output_tokens: int = 128,
+         adapters: str = "1,64,512", variants: str = "base,stock all-token LoRA,LoRA-P,ReFT-P",
+         prompts: int = 512, prompt_tokens: int = 128, output_tokens: int = 128,
          rounds: int = 2, tolerance: float = TOLERANCE, budget_s: float = 450.0, tiny: bool = False,
          allow_cpu: bool = False, write_docs: bool = False, out: str = "runs/gpu_check") -> dict[str, Any]:
     from preft.eval.report import command_line
@@ -303,7 +304,11 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
     dtype = torch.bfloat16 if on_gpu else torch.float32
     # eager, as `preft serve` runs (ReFT-P's hooks are not captured by torch.compile or CUDA graphs)
     engine_extra = ({"dtype": "bfloat16", "gpu_memory_utilization": 0.85} if on_gpu else {"dtype": "float32"})
-    variants = ["base", "stock all-token LoRA", "LoRA-P", "ReFT-P"]
+    from preft.eval.bench_throughput import VARIANTS
+
+    variant_list = [v.strip() for v in variants.split(",") if v.strip()]
+    if "base" not in variant_list or set(variant_list) - set(VARIANTS):
+        raise ValueError(f"--variants {variants!r}: choose from {', '.join(VARIANTS)}, base included")
     root = Path(out) / "gpu"
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -330,7 +335,7 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
             else:
                 name = "tiny" if tiny else throughput_model
                 result[part] = throughput(name, root, counts, prompts, prompt_tokens, output_tokens, rounds,
-                                          variants, engine_extra)
+                                          variant_list, engine_extra)
         except Exception as err:  # noqa: BLE001 - one part's failure is recorded; the others still run
             result[part] = {"passed": False, "error": f"{type(err).__name__}: {err}",
                             "traceback": traceback.format_exc()[-4000:]}
@@ -359,6 +364,7 @@ def add_arguments(parser) -> None:
         ("--models", str, "models of the parity part (0.5B, 1B)"),
         ("--throughput-model", str, "model of the throughput part"),
         ("--adapters", str, "comma-separated adapter counts of the throughput part"),
+        ("--variants", str, "comma-separated engines of the throughput part (bench throughput's names)"),
         ("--prompts", int, "requests per throughput run"),
         ("--prompt-tokens", int, "tokens per throughput prompt"),
         ("--output-tokens", int, "tokens generated per throughput request"),

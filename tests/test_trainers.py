@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -159,14 +160,16 @@ def test_bad_sft_datasets(tmp_path, rows, message):
 
 
 @pytest.mark.slow
-def test_accelerate_launch_runs_a_recipe(tmp_path):
+def test_accelerate_launch_runs_a_reft_p_recipe_on_two_processes(tmp_path):
+    """ReFT-P under DDP (LoRA-P's DDP and FSDP runs are compared with one process in
+    tests/test_distributed_training.py)."""
     out = tmp_path / "run"
     accelerate = Path(sys.executable).parent / "accelerate"
     proc = subprocess.run(
-        [str(accelerate), "launch", "--num_processes", "1", "--cpu", "-m", "preft.cli", "train",
+        [str(accelerate), "launch", "--config_file", str(CONFIGS / "accelerate" / "ddp.yaml"), "-m", "preft", "train",
          str(CONFIGS / "sft_reft_p.yaml"), f"output_dir={out}", "trainer.max_steps=2",
          "trainer.report_to=none", "trainer.eval_strategy='no'", "trainer.save_steps=2", *TINY_SFT],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "run_summary.json").read_text())
