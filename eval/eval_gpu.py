@@ -26,8 +26,8 @@ unless ``--allow-cpu`` (the test suite runs the same code on CPU with ``--tiny``
 
 from __future__ import annotations
 
+import functools
 import inspect
-import json
 import subprocess
 import sys
 import time
@@ -52,8 +52,10 @@ class GpuCheckError(ValueError):
     """No GPU, or a part failed: the CLI prints it as one line and exits non-zero."""
 
 
+@functools.lru_cache(maxsize=None)
 def build_model(name: str, root: Path, dtype: torch.dtype) -> tuple[str, int]:
-    """A random-init Llama ``name`` saved with the default tokenizer under ``root``; (dir, parameters)."""
+    """A random-init Llama ``name`` saved with the default tokenizer under ``root``; (dir, parameters).
+    Built once per run: the parity and throughput parts share the 0.5B model."""
     from transformers import AutoTokenizer
 
     import preft
@@ -268,8 +270,6 @@ def report(result: dict) -> str:
                 vs_stock = " / ".join(f"{values['vs_stock'][c]:.2f}x" for c in counts) if "vs_stock" in values else "-"
                 lines.append(f"| {variant} | {rates} | {vs_base} | {vs_stock} |")
             lines.append("")
-        elif part == "skipped":
-            continue
     for part, why in result.get("skipped", {}).items():
         lines += [f"**{part}**: not run ({why})", ""]
     return "\n".join(lines)
@@ -280,7 +280,7 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
          prompts: int = 512, prompt_tokens: int = 128, output_tokens: int = 128,
          rounds: int = 2, tolerance: float = TOLERANCE, budget_s: float = 450.0, tiny: bool = False,
          allow_cpu: bool = False, write_docs: bool = False, out: str = "runs/gpu_check") -> dict[str, Any]:
-    from preft.eval.report import command_line
+    from preft.eval.report import command_line, save_run, write_result
 
     arguments = dict(locals())
     values = {name: arguments[name] for name in inspect.signature(main).parameters}
@@ -342,14 +342,9 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
     result["wall_time_s"] = round(time.time() - started, 1)
     result["passed"] = all(result[p]["passed"] for p in chosen if p in result)
     markdown = report(result)
-    (root / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (root / "gpu.md").write_text(markdown + "\n")
+    save_run(root, "gpu", result, markdown + "\n")
     if write_docs:
-        from preft.eval.report import write_result
-
         write_result("gpu_check", result, markdown)
-    print(markdown)
-    print(f"written: {root / 'results.json'}, {root / 'gpu.md'}")
     if not result["passed"]:
         failed = [p for p in chosen if p in result and not result[p]["passed"]]
         raise GpuCheckError(f"{', '.join(failed)} failed (details in {root / 'results.json'})")

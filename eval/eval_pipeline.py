@@ -23,7 +23,6 @@ prediction for the same prompts is beside.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -107,7 +106,7 @@ def main(model: str = "512x8", cost_model: str | None = None, stages: str = "2,4
     import inspect
 
     from preft.eval import eval_profile
-    from preft.eval.report import command_line
+    from preft.eval.report import command_line, save_run
     from preft.serving.scheduling.cost_model import StepCostModel
 
     arguments = dict(locals())
@@ -156,11 +155,7 @@ def main(model: str = "512x8", cost_model: str | None = None, stages: str = "2,4
                                              pipeline_dir)
         lines += result["engine"]["markdown"]
     result["wall_time_s"] = round(time.time() - started, 1)
-    (pipeline_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    text = "\n".join(lines)
-    (pipeline_dir / "pipeline.md").write_text(text)
-    print(text)
-    print(f"written: {pipeline_dir / 'results.json'}, {pipeline_dir / 'pipeline.md'}")
+    save_run(pipeline_dir, "pipeline", result, "\n".join(lines))
     return result
 
 

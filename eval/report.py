@@ -37,6 +37,20 @@ def write_result(name: str, result: dict[str, Any], markdown: str, docs_dir: Pat
     return json_path
 
 
+def save_run(directory: Path, name: str, result: dict[str, Any], markdown: str, also: tuple[Path, ...] = ()) -> None:
+    """``DIRECTORY/results.json`` and ``DIRECTORY/NAME.md`` of one ``preft eval`` part, each written
+    atomically (a temp file renamed over it); the markdown printed, then what was written (and ``also``)."""
+    import os
+
+    for path, text in ((directory / "results.json", json.dumps(result, indent=2, default=str) + "\n"),
+                       (directory / f"{name}.md", markdown)):
+        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temp.write_text(text)
+        os.replace(temp, path)
+    print(markdown)
+    print("written: " + ", ".join(str(p) for p in (directory / "results.json", directory / f"{name}.md", *also)))
+
+
 def torch_machine() -> dict[str, str]:
     """Where a torch benchmark ran: CPU architecture, torch's threads, torch's version."""
     return {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__}

@@ -130,16 +130,6 @@ class LossBeforeTraining(TrainerCallback):
             self.loss = self.trainer.evaluate()["eval_loss"]
 
 
-def seed_adapter_init(args) -> None:
-    """Seed torch with ``trainer.seed`` before the trainer is built. TRL makes the PEFT adapter
-    (its random LoRA A, ReFT rotation) in its ``__init__``, before ``Trainer`` seeds itself, so
-    without this the initial adapter depended on whatever ran before it in the process: under
-    ``accelerate launch`` it differed from the single-process run's."""
-    from transformers import set_seed
-
-    set_seed(args.seed)
-
-
 def is_main_process() -> bool:
     """True in the one process that writes the run's files and prints its summary (every process
     of a single-process run; rank 0 under ``accelerate launch``)."""

@@ -28,7 +28,7 @@ from preft.data import arithmetic_prompts, exact_match_reward
 from preft.recipe_config import check_section
 from preft.recipes.common import (
     build_adapter_config, build_trl_args, check_keys, is_main_process, resolve_model, resolve_resume,
-    seed_adapter_init, train, train_log, write_summary,
+    train, train_log, write_summary,
 )
 from preft.trainers import PreftGRPOTrainer
 
@@ -64,7 +64,6 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     peft_config = build_adapter_config(config["adapter"])
     args = build_trl_args(GRPOConfig, config["trainer"], output_dir)
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
-    seed_adapter_init(args)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     trainer = PreftGRPOTrainer(model=model_path, reward_funcs=exact_match_reward, args=args,
                                train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config)

@@ -34,7 +34,7 @@ from preft.user_data import load_user_data
 from preft.recipe_config import check_section
 from preft.recipes.common import (
     LossBeforeTraining, build_adapter_config, build_trl_args, check_keys, is_main_process, resolve_model, resolve_resume,
-    seed_adapter_init, train, train_log, write_summary,
+    train, train_log, write_summary,
 )
 from preft.trainers import PreftSFTTrainer
 
@@ -72,7 +72,6 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     peft_config = build_adapter_config(config["adapter"])
     args = build_trl_args(SFTConfig, config["trainer"], output_dir)
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
-    seed_adapter_init(args)
     trainer = PreftSFTTrainer(model=model_path, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, peft_config=peft_config)
 

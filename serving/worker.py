@@ -63,11 +63,9 @@ def reft_unavailable_reason(compilation_config) -> str | None:
     """ReFT-P's hooks are Python on the decoder layers, reading the step context: torch.compile
     would trace them once and CUDA graphs replay what they did at capture (nothing), so the edit
     would silently not happen. Such an engine fails ReFT-P requests with this reason instead."""
-    mode = getattr(compilation_config, "mode", 0)
-    graphs = getattr(compilation_config, "cudagraph_mode", None)
-    compiled = int(getattr(mode, "value", mode) or 0) != 0
-    captured = graphs is not None and getattr(graphs, "name", str(graphs)) != "NONE"
-    if compiled or captured:
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    if compilation_config.mode != CompilationMode.NONE or compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
         return ("ReFT-P needs an eager engine (enforce_eager=True, as preft serve runs): its layer hooks are not "
                 "captured by torch.compile or CUDA graphs")
     return None

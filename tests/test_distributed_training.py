@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,23 +29,29 @@ SFT = ["recipes/configs/sft_lora_p.yaml", "trainer.max_steps=6", "trainer.eval_s
        "trainer.report_to=none", "trainer.logging_steps=1", "data.train_examples=192", "data.eval_examples=32"]
 
 
-def run(command: list[str], tmp_path: Path) -> None:
+def run(command: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PREFT_DEBUG": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def launch(config: str, recipe: list[str], out: Path, tmp_path: Path, **overrides) -> None:
+def free_port() -> int:
+    with socket.socket() as probe:  # torchrun's default 29500 may still be held by the last launch
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(config: str, recipe: list[str], out: Path, **overrides) -> None:
     args = [*recipe, f"output_dir={out}", *(f"trainer.{k}={v}" for k, v in overrides.items())]
     run([str(ACCELERATE), "launch", "--config_file", f"recipes/configs/accelerate/{config}.yaml",
-         "-m", "preft", "train", *args], tmp_path)
+         "--main_process_port", str(free_port()),
+         "-m", "preft", "train", *args])
 
 
 @pytest.fixture(scope="module")
 def single_sft(tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "run"
-    run([sys.executable, "-m", "preft", "train", *SFT, f"output_dir={out}", "trainer.per_device_train_batch_size=16"],
-        out.parent)
+    run([sys.executable, "-m", "preft", "train", *SFT, f"output_dir={out}", "trainer.per_device_train_batch_size=16"])
     return out
 
 
@@ -52,7 +59,7 @@ def single_sft(tmp_path_factory):
 @pytest.mark.parametrize("config", ["ddp", "fsdp"])
 def test_sft_on_two_processes_matches_one(config, single_sft, tmp_path):
     out = tmp_path / config
-    launch(config, SFT, out, tmp_path, per_device_train_batch_size=8)
+    launch(config, SFT, out, per_device_train_batch_size=8)
     one, two = (json.loads((run / "run_summary.json").read_text()) for run in (single_sft, out))
     assert two["steps"] == one["steps"] == 6
     assert two["initial_eval_loss"] == pytest.approx(one["initial_eval_loss"], rel=1e-5)
@@ -70,7 +77,7 @@ def test_grpo_runs_under_ddp(tmp_path):
     recipe = ["recipes/configs/grpo_lora_p.yaml", "trainer.max_steps=2", "trainer.save_strategy=no",
               "trainer.report_to=none", "trainer.logging_steps=1", "trainer.num_generations=8",
               "data.train_prompts=64", "data.eval_prompts=16"]
-    launch("ddp", recipe, out, tmp_path, per_device_train_batch_size=8)
+    launch("ddp", recipe, out, per_device_train_batch_size=8)
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["steps"] == 2 and len(summary["reward_history"]) == 2
     weights = load_file(out / "adapter" / "adapter_model.safetensors")

@@ -16,6 +16,7 @@ from trl import GRPOConfig, SFTConfig
 
 import preft
 from conftest import load_base
+from test_distributed_training import free_port
 from preft.cli import main as cli_main
 from preft.trainers import PreftGRPOTrainer
 from preft.trainers import PreftSFTTrainer
@@ -166,7 +167,8 @@ def test_accelerate_launch_runs_a_reft_p_recipe_on_two_processes(tmp_path):
     out = tmp_path / "run"
     accelerate = Path(sys.executable).parent / "accelerate"
     proc = subprocess.run(
-        [str(accelerate), "launch", "--config_file", str(CONFIGS / "accelerate" / "ddp.yaml"), "-m", "preft", "train",
+        [str(accelerate), "launch", "--config_file", str(CONFIGS / "accelerate" / "ddp.yaml"),
+         "--main_process_port", str(free_port()), "-m", "preft", "train",
          str(CONFIGS / "sft_reft_p.yaml"), f"output_dir={out}", "trainer.max_steps=2",
          "trainer.report_to=none", "trainer.eval_strategy='no'", "trainer.save_steps=2", *TINY_SFT],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
