@@ -6,14 +6,15 @@ into row order; these two kernels (punica's SGMV shrink/expand, fitted to the ti
 read the rows and the slot's weights where they lie and add into the output rows in place:
 
 - ``_shrink_kernel``, one program per (tile, block of the shrunk width):
-  ``shrunk[tile position] = mask * scale * x[row] @ A_t[slot]`` for all of a layer's slices at
+  ``shrunk[tile position] = scale * x[row] @ A_t[slot]`` for all of a layer's slices at
   once (``A_t`` = the A's side by side, :class:`~preft.serving.lora_ops.PlannedLoraWeights`);
 - ``_expand_kernel``, one program per (tile, block of a slice's outputs):
   ``y[row, slice] += shrunk[tile position, slice's rank] @ B_t[slot]``. Every row with an
   adapter sits at exactly one tile position and column blocks do not overlap, so the
   read-add-write needs no atomics; padding positions write nothing.
 
-Rows without an adapter (``-1``, every generated token under LoRA-P) are in no tile. On CPU the
+Rows without an adapter (``-1``, every generated token under LoRA-P) are in no tile: never read,
+never written (stores are masked by position, no 0/1 mask multiplies a value). On CPU the
 kernels run only under ``TRITON_INTERPRET=1`` (for the tests); serving on CPU uses the torch
 ops, and vLLM's GPU punica kernels serve LoRA on CUDA.
 """
@@ -59,7 +60,7 @@ def _shrink_kernel(x_ptr, gather_ptr, mask_ptr, slots_ptr, a_ptr, out_ptr,
         a = tl.load(a_ptr + slot * stride_as + offs_k[:, None] * stride_ak + offs_n[None, :] * stride_an,
                     mask=(offs_k[:, None] < size_in) & (offs_n[None, :] < width), other=0.0)
         acc += tl.dot(x.to(tl.float32), a, input_precision="ieee")
-    acc = acc * (real * scale)[:, None]
+    acc = acc * scale  # padding positions too: computed, never written into a row
     tl.store(out_ptr + position[:, None] * width + offs_n[None, :], acc,
              mask=in_tile[:, None] & (offs_n[None, :] < width))
 
@@ -84,16 +85,19 @@ def _expand_kernel(shrunk_ptr, gather_ptr, mask_ptr, slots_ptr, b_ptr, y_ptr,
 
 
 def _tiles_of(plan: TilePlan, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``(gather, mask, tile_slots, tile_rows)`` of ``plan``; a one-slot plan is cut into tiles here."""
+    """``(gather, real, tile_slots, tile_rows)`` of ``plan``: the row read at each tile position,
+    1.0 where that position holds a row with an adapter (the only positions written), each
+    tile's slot; a one-slot plan's adapter rows are cut into tiles of 64 here."""
     if plan.single_slot is None:
-        return plan.gather, plan.tile_mask.reshape(-1), plan.tile_slots, plan.tile_rows
+        return plan.gather, plan.real_positions().float(), plan.tile_slots, plan.tile_rows
     tile_rows = SINGLE_SLOT_TILE_ROWS
-    tiles = triton.cdiv(plan.num_rows, tile_rows)
-    gather = torch.zeros(tiles * tile_rows, dtype=torch.long, device=device)
-    gather[: plan.num_rows] = torch.arange(plan.num_rows, device=device)
-    mask = torch.zeros(tiles * tile_rows, dtype=torch.float32, device=device)
-    mask[: plan.num_rows] = 1.0 if plan.row_mask is None else plan.row_mask.reshape(-1)
-    return gather, mask, torch.full((tiles,), plan.single_slot, dtype=torch.long, device=device), tile_rows
+    rows = plan.rows if plan.rows is not None else torch.arange(plan.num_rows, device=device)
+    tiles = triton.cdiv(rows.numel(), tile_rows)
+    gather = rows[:1].repeat(tiles * tile_rows)
+    gather[: rows.numel()] = rows
+    real = torch.zeros(tiles * tile_rows, dtype=torch.float32, device=device)
+    real[: rows.numel()] = 1.0
+    return gather, real, torch.full((tiles,), plan.single_slot, dtype=torch.long, device=device), tile_rows
 
 
 def triton_planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights, scale: float) -> None:

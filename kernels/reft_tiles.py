@@ -52,7 +52,7 @@ def _reft_kernel(hidden_ptr, residual_ptr, gather_ptr, mask_ptr, slots_ptr, w_pt
         projected += tl.dot(h, p_t.to(tl.float32), input_precision="ieee")
     bias = tl.load(bias_ptr + slot * stride_bs + offs_r, mask=in_rank, other=0.0).to(tl.float32)
     sign = tl.load(sign_ptr + slot).to(tl.float32)
-    edit = (source + bias[None, :] - sign * projected) * real[:, None]
+    edit = source + bias[None, :] - sign * projected  # padding positions: computed, never stored
     write = in_tile & (real > 0)
     for d0 in range(0, size, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)

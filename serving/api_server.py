@@ -6,12 +6,14 @@
    holds is refused unless ``load_inplace``; a replaced LoRA gets a new engine id, so requests
    already running finish on the old weights. Refusals are 400s with the reason.
 2. ReFT-P adapters are routed by name: the ASGI middleware of :mod:`preft.serving.reft_routing`
-   is placed innermost among vLLM's middlewares, behind its ``--api-key`` check.
+   is placed innermost among vLLM's middlewares, behind its ``--api-key`` check, on every route
+   whose body takes ``vllm_xargs`` (read from the app's routes when it is built).
 3. ``/v1/models`` lists the ReFT-P adapters beside the LoRA adapters (names are unique).
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from http import HTTPStatus
 
@@ -19,6 +21,8 @@ from preft import envs
 from preft.export import ExportError
 from preft.serving import reft_routing
 from preft.serving.patching import require, wrap
+
+logger = logging.getLogger(__name__)
 
 
 def patch_load_checks() -> None:
@@ -64,6 +68,8 @@ def patch_reft_routing() -> None:
     @wrap(entry, "build_app")
     def build_app(original, *args, **kwargs):
         app = original(*args, **kwargs)
+        reft_routing.XARGS_PATHS = reft_routing.find_xargs_routes(app) | set(reft_routing.COMPLETION_PATHS)
+        logger.info("preft: ReFT-P names are routed on %s", ", ".join(sorted(reft_routing.XARGS_PATHS)))
         # innermost of the app's middlewares: vLLM's authentication (and CORS, ...) run first
         require(app, "user_middleware").append(Middleware(reft_routing.ReftRoutingMiddleware))
         app.middleware_stack = None  # rebuilt with it on the first request

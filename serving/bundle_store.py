@@ -11,6 +11,12 @@ again is a new directory with its new weights (never a stale cache hit).
 Runtime loads may only name directories under the server's adapter root
 (:func:`resolve_under_root`): the path is resolved (``..`` and links followed) before the
 check, and a path outside it is refused without saying whether it exists.
+
+The engine trusts the store alone (:func:`is_store_copy`): under ``preft serve`` the engine core
+and the workers serve a bundle only if its path is ``STORE/<64 hex digits>``, judged from the
+path before anything is read; a request naming any other path, by whatever route it came, fails
+alone with :data:`NOT_SERVED`, which says nothing of that path. The worker also checks a ReFT-P
+copy's files against its digest when it writes them into its bank (:func:`intact_store_copy`).
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from preft.export import (MANIFEST, ExportError, base_fingerprint, check_finite, check_lora, has_manifest,
                           load_tensors, read_json, read_manifest)
+from preft import envs
 from preft.rule import bundle_rule
 
 #: the files of a bundle, by kind (``preft export`` writes exactly these)
@@ -82,11 +90,42 @@ def _check_reft(name: str, manifest: dict, tensors: dict, base: dict) -> None:
                           f"expected {expected[wrong[0]]}")
 
 
+#: a store copy's directory name: the sha256 of its files
+STORE_COPY_NAME = re.compile(r"[0-9a-f]{64}")
+#: why a request naming a bundle that is not a store copy fails (it names no path)
+NOT_SERVED = "the adapter bundle this request names is not one this server has loaded; name a served adapter in 'model'"
+
+
+def is_store_copy(path) -> bool:
+    """Whether ``path`` names a copy in this server's store, ``STORE/<sha256>``, judged from the
+    path string alone (nothing is read, so the answer says nothing of other paths). With no store
+    (an engine outside ``preft serve``, such as a script's ``vllm.LLM``: whoever runs it names
+    its own bundles) every path is accepted."""
+    store = envs.PREFT_SERVE_STORE
+    if not store:
+        return True
+    if not isinstance(path, str) or not path:
+        return False
+    parent, name = os.path.split(os.path.abspath(path))
+    return parent == os.path.abspath(store) and STORE_COPY_NAME.fullmatch(name) is not None
+
+
+def intact_store_copy(kind: str, path: str) -> bool:
+    """Whether the store copy at ``path`` still holds exactly the files its name is the digest of
+    (always true with no store)."""
+    if not envs.PREFT_SERVE_STORE:
+        return True
+    return is_store_copy(path) and _intact(Path(path), BUNDLE_FILES[kind], Path(path).name)
+
+
 def served_copy_problem(kind: str, path: str) -> str | None:
-    """Why the bundle at ``path`` cannot be served now, or None: its rule cannot be read, or a file
-    its kind needs is gone. The engine asks when a request arrives, so a copy removed from the
-    store fails that request alone (a plain vLLM LoRA directory, with no manifest, is vLLM's to
-    check)."""
+    """Why the bundle at ``path`` cannot be served now, or None: it is not one of the server's
+    store copies (:func:`is_store_copy`; nothing is read then), its rule cannot be read, or a
+    file its kind needs is gone. The engine asks when a request arrives, so such a request fails
+    alone (a plain vLLM LoRA directory, with no manifest, is vLLM's to check outside ``preft
+    serve``)."""
+    if not is_store_copy(path):
+        return NOT_SERVED
     try:
         bundle_rule(path)
     except Exception as err:  # noqa: BLE001 - any unreadable manifest fails the request, not the engine

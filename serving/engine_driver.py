@@ -77,7 +77,8 @@ class EngineProcess:
 
     def generate(self, requests: list[dict], max_tokens: int, sequential: bool = False,
                  ignore_eos: bool = False, logprobs: bool = False) -> dict:
-        """``{"tokens": [[ids] per request], "seconds": s}``; ``sequential``: one request at a time;
+        """``{"tokens": [[ids] per request], "finish_reasons": [...], "seconds": s}`` (a request
+        the engine failed: no tokens, finish reason ``"error"``); ``sequential``: one request at a time;
         ``logprobs``: also ``"logprobs": [[log p of each generated token] per request]``."""
         return self._ask({"generate": requests, "max_tokens": max_tokens, "sequential": sequential,
                           "ignore_eos": ignore_eos, "logprobs": logprobs})
@@ -157,7 +158,8 @@ def _serve(spec: dict) -> None:
         else:
             outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         seconds = time.perf_counter() - started
-        answer = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds}
+        answer = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds,
+                  "finish_reasons": [o.outputs[0].finish_reason for o in outputs]}
         if command.get("logprobs"):
             answer["logprobs"] = [[step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                                   for o in outputs]

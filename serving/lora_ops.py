@@ -9,9 +9,11 @@ kernel such as punica's SGMV, written with torch ops): the rows that have an ada
 by slot, cut into tiles of ``tile_rows`` rows that each belong to one slot. Per LoRA layer:
 one gather of the rows, one gather of the weights *per tile* (not per token), one ``bmm``
 shrink shared by the layer's slices (q/k/v, gate/up), one ``bmm`` expand per slice and one
-gather of its result back into row order, whatever the number of adapters in the step; rows
-with ``-1`` get nothing added (or zeros where an op overwrites its output). A step whose rows
-all use one slot runs plain matmuls, accumulating into the output in place. The plan depends
+``index_add_`` of its result into the rows it belongs to, whatever the number of adapters in
+the step. Rows with ``-1`` are never computed with adapter weights and get nothing added (or
+zeros where an op overwrites its output): no 0/1 mask multiplies them, so one adapter's NaN or
+inf cannot reach another request's rows. A step whose rows all use one slot runs plain
+matmuls over its adapter rows. The plan depends
 only on the step's per-token slots, so the worker builds it once per step into the step
 context (:mod:`preft.serving.step_context`) and every LoRA layer of the step reuses it
 (:func:`add_lora_linear`); each layer reads its weights from a :class:`PlannedLoraWeights`, a
@@ -37,34 +39,6 @@ def _weights(stacked: torch.Tensor, plan: TilePlan, dtype: torch.dtype) -> torch
     if plan.single_slot is not None:
         return stacked[plan.single_slot].to(dtype)
     return stacked.index_select(0, plan.tile_slots).to(dtype)
-
-
-def tile_rows_of(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
-    """``x`` ``[rows, in]`` as the plan computes it: as is (single slot) or ``[tiles, tile_rows, in]``."""
-    if plan.single_slot is not None:
-        return x
-    return x.index_select(0, plan.gather).view(-1, plan.tile_rows, x.shape[-1])
-
-
-def lora_shrink(tiled_x: torch.Tensor, lora_a: torch.Tensor, plan: TilePlan, scaling: float,
-                dtype: torch.dtype) -> torch.Tensor:
-    """``scaling * x @ A_slot^T``, zero for rows without an adapter, from ``tile_rows_of(x)``."""
-    shrunk = torch.matmul(tiled_x.to(dtype), _weights(lora_a, plan, dtype).transpose(-1, -2))
-    mask = plan.row_mask if plan.single_slot is not None else plan.tile_mask
-    return shrunk.mul_(scaling if mask is None else mask * scaling)
-
-
-def lora_expand_into(target: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, plan: TilePlan,
-                     add: bool) -> None:
-    """``target (+)= shrunk @ B_slot^T`` for every row (``shrunk`` from :func:`lora_shrink`)."""
-    size = target.shape[-1]
-    weight = _weights(lora_b, plan, target.dtype)[..., :size, :]
-    shrunk = shrunk.to(target.dtype)
-    if plan.single_slot is not None:  # accumulate in place: one pass over the output
-        target.addmm_(shrunk, weight.t(), beta=1.0 if add else 0.0)
-        return
-    expanded = torch.bmm(shrunk, weight.transpose(1, 2)).view(-1, size).index_select(0, plan.untile)
-    target.add_(expanded) if add else target.copy_(expanded)
 
 
 class PlannedLoraWeights:
@@ -134,7 +108,8 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
 
     One shrink for all slices (their A's side by side), then one expand per slice. Several
     slots: the rows are tiled per :class:`TilePlan`, the weights gathered per tile and the
-    expanded rows read back in row order; one slot: plain matmuls into ``y`` in place.
+    expanded rows added back into their rows; one slot: plain matmuls (into ``y`` in place when
+    every row has the adapter). Rows without an adapter are neither read nor written.
     """
     if plan is None:
         return
@@ -143,12 +118,14 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
     x = x.view(-1, x.shape[-1])[: plan.num_rows].to(weights.a_t.dtype)
     rank, offset = weights.rank, 0
     if plan.single_slot is not None:
-        shrunk = torch.mm(x, weights.a_t[plan.single_slot])
-        shrunk.mul_(scale if plan.row_mask is None else plan.row_mask * scale)
+        shrunk = torch.mm(plan.rows_of(x), weights.a_t[plan.single_slot]).mul_(scale)
         for j, b_t in enumerate(weights.b_t):
             size = b_t.shape[2]
-            y[:, offset: offset + size].addmm_(shrunk[:, j * rank: (j + 1) * rank].to(y.dtype),
-                                               b_t[plan.single_slot].to(y.dtype))
+            part, b = shrunk[:, j * rank: (j + 1) * rank].to(y.dtype), b_t[plan.single_slot].to(y.dtype)
+            if plan.rows is None:  # every row: accumulate in place, one pass over the output
+                y[:, offset: offset + size].addmm_(part, b)
+            else:
+                y[:, offset: offset + size].index_add_(0, plan.rows, torch.mm(part, b))
             offset += size
         return
     space = workspace or Workspace()
@@ -157,14 +134,15 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
     tiles = torch.index_select(x, 0, plan.gather, out=space.get("tiles", num_tiles * tile_rows, size_in))
     a_t = torch.index_select(weights.a_t, 0, plan.tile_slots, out=space.get("a_t", num_tiles, size_in, width))
     shrunk = torch.bmm(tiles.view(num_tiles, tile_rows, size_in), a_t,
-                       out=space.get("shrunk", num_tiles, tile_rows, width)).mul_(plan.tile_mask * scale)
+                       out=space.get("shrunk", num_tiles, tile_rows, width)).mul_(scale)
     for j, b_t in enumerate(weights.b_t):
         size = b_t.shape[2]
         b_tiles = torch.index_select(b_t, 0, plan.tile_slots, out=space.get("b_t", num_tiles, rank, size))
         expanded = torch.bmm(shrunk[..., j * rank: (j + 1) * rank], b_tiles,
                              out=space.get("expanded", num_tiles, tile_rows, size))
-        rows = torch.index_select(expanded.view(-1, size), 0, plan.untile, out=space.get("rows", plan.num_rows, size))
-        y[:, offset: offset + size].add_(rows.to(y.dtype))
+        rows = torch.index_select(expanded.view(-1, size), 0, plan.positions,
+                                  out=space.get("rows", plan.num_active, size))
+        y[:, offset: offset + size].index_add_(0, plan.rows, rows.to(y.dtype))
         offset += size
 
 
@@ -174,25 +152,25 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
 def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
     rank = lora_a_weights.shape[-2]
     target = output_tensor[: inputs.shape[0], :rank]
+    target.zero_()  # rows without an adapter shrink to zero (what vLLM's expand then adds nothing from)
     plan = build_tile_plan(lora_indices_tensor[: inputs.shape[0]])
     if plan is None:
-        target.zero_()
         return
-    shrunk = lora_shrink(tile_rows_of(inputs, plan), lora_a_weights, plan, scaling, output_tensor.dtype)
-    target.copy_(shrunk if plan.single_slot is not None else shrunk.view(-1, rank).index_select(0, plan.untile))
+    weight = _weights(lora_a_weights, plan, output_tensor.dtype).transpose(-1, -2)
+    shrunk = torch.matmul(plan.rows_of(inputs).to(output_tensor.dtype), weight).mul_(scaling)
+    plan.add_into_rows(target, plan.back_to_rows(shrunk))
 
 
 def _expand(inputs, lora_b_weights, output_tensor, indices, offset, size, add_inputs):
     target = output_tensor[: inputs.shape[0], offset: offset + size]
+    if not add_inputs:
+        target.zero_()
     plan = build_tile_plan(indices[: inputs.shape[0]])
     if plan is None:
-        if not add_inputs:
-            target.zero_()
         return
-    mask = plan.row_mask if plan.single_slot is not None else plan.tile_mask
-    shrunk = tile_rows_of(inputs, plan)  # already shrunk rows, tiled the way lora_shrink does
-    shrunk = shrunk if mask is None else shrunk * mask
-    lora_expand_into(target, shrunk, lora_b_weights, plan, add=add_inputs)
+    weight = _weights(lora_b_weights, plan, target.dtype)[..., :size, :].transpose(-1, -2)
+    expanded = torch.matmul(plan.rows_of(inputs).to(target.dtype), weight)  # ``inputs``: already shrunk rows
+    plan.add_into_rows(target, plan.back_to_rows(expanded))
 
 
 def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs: bool = True):

@@ -32,8 +32,9 @@ from torch import nn
 
 from preft import envs
 from preft.constants import REFT_EXTRA_ARG
-from preft.export import read_manifest
+from preft.export import check_finite, read_manifest
 from preft.rule import active_scheduled_tokens, bundle_rule
+from preft.serving.bundle_store import NOT_SERVED, intact_store_copy, is_store_copy
 from preft.serving.tile_plan import TilePlan, build_tile_plan
 
 logger = logging.getLogger(__name__)
@@ -128,10 +129,15 @@ class ReftBank:
         return {bundle: self.slot_of[bundle] for bundle in needed}
 
     def _write(self, bundle: str, slot: int) -> None:
+        if not is_store_copy(bundle):
+            raise ValueError(NOT_SERVED)
+        if not intact_store_copy("reft", bundle):
+            raise ValueError("the server's copy no longer holds the files that were checked")
         manifest = read_manifest(bundle)
         if manifest.get("kind") != "reft":
             raise ValueError(f"{bundle} is a {manifest.get('kind')} bundle, not ReFT-P")
         weights = load_file(f"{bundle}/reft_weights.safetensors")
+        check_finite(weights)  # a NaN or inf stays out of the bank, whoever wrote the file
         r = int(manifest["rank"])
         if r > self.rank:
             self._allocate(self.capacity, r)
@@ -167,27 +173,24 @@ def reft_edit(hidden: torch.Tensor, residual: torch.Tensor, plan: TilePlan, weig
     ``h = hidden[row] + residual[row]`` and ``s`` the row's slot, in place; returns ``hidden``.
 
     ``weights`` ``[slots, 2r, d]`` is ``[W_s; P_s]`` per slot, ``bias`` ``[slots, r]``, ``sign``
-    ``[slots]`` is ``k_s`` (1 LoReFT, 0 DiReFT), ``rank`` is ``r``. The torch reference of
+    ``[slots]`` is ``k_s`` (1 LoReFT, 0 DiReFT), ``rank`` is ``r``. Rows without a slot are
+    neither computed with bank weights nor written. The torch reference of
     :func:`preft.kernels.reft_tiles.triton_reft_edit` (same arguments, same result)."""
     rows = plan.num_rows
-    stream = (hidden[:rows] + residual[:rows]).float()                                  # [rows, d]
+    stream = (plan.rows_of(hidden[:rows]) + plan.rows_of(residual[:rows])).float()  # rows with a slot only
     r = rank
-    if plan.single_slot is not None:  # plain matmuls over every row, masked (the rank is small)
+    if plan.single_slot is not None:  # plain matmuls over the slot's rows (the rank is small)
         slot = plan.single_slot
-        both = stream @ weights[slot].t()                                                # [rows, 2r]
+        both = stream @ weights[slot].t()                                                # [active, 2r]
         edit = both[:, :r] + bias[slot] - sign[slot] * both[:, r:]
-        if plan.row_mask is not None:
-            edit = edit * plan.row_mask
-        delta = edit @ weights[slot, r:]                                                 # [rows, d]
+        delta = edit @ weights[slot, r:]                                                 # [active, d]
     else:
-        tiles = stream.index_select(0, plan.gather).view(-1, plan.tile_rows, stream.shape[-1])
         tile_weights = weights.index_select(0, plan.tile_slots)                         # [tiles, 2r, d]
-        both = torch.bmm(tiles, tile_weights.transpose(1, 2))                            # [tiles, T, 2r]
+        both = torch.bmm(stream, tile_weights.transpose(1, 2))                          # [tiles, T, 2r]
         tile_sign = sign.index_select(0, plan.tile_slots)[:, None, None]
         edit = both[..., :r] + bias.index_select(0, plan.tile_slots)[:, None, :] - tile_sign * both[..., r:]
-        delta = torch.bmm(edit * plan.tile_mask, tile_weights[:, r:])                   # [tiles, T, d]
-        delta = delta.view(-1, stream.shape[-1]).index_select(0, plan.untile)
-    hidden[:rows] += delta.to(hidden.dtype)  # in place: a fresh activation, inference only
+        delta = plan.back_to_rows(torch.bmm(edit, tile_weights[:, r:]))      # [active, d]
+    plan.add_into_rows(hidden[:rows], delta.to(hidden.dtype))  # in place: inference only
     return hidden
 
 
@@ -203,6 +206,12 @@ def build_reft_plan(bank: ReftBank, bundles: list[str | None], num_computed_toke
     bundles = list(bundles)
     rules = []
     for index, bundle in enumerate(bundles):
+        if bundle and not is_store_copy(bundle):  # never read: fails its request alone
+            if failures is None:
+                raise ValueError(NOT_SERVED)
+            failures[index], bundles[index] = NOT_SERVED, None
+            rules.append(None)
+            continue
         try:
             rules.append(bundle_rule(bundle) if bundle else None)
         except Exception as err:  # noqa: BLE001 - an unreadable manifest fails its request alone

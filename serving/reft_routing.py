@@ -5,7 +5,12 @@ vLLM's own middlewares (so ``--api-key`` is checked first), turns a request for 
 ``NAME`` into a request for the base model with ``vllm_xargs = {"preft_reft": COPY}``
 (:data:`preft.constants.REFT_EXTRA_ARG`; ``COPY`` is the server's checked copy of the bundle,
 :mod:`preft.serving.bundle_store`), read by the engine hooks (:mod:`preft.serving.reft`) and
-by the prefix-cache keys. A client may not set that key itself.
+by the prefix-cache keys. A client may not set that key itself: a JSON body that sets it in
+any ``vllm_xargs`` object, on any route, is refused with a 400. ReFT-P names are routed on every
+route whose request body takes ``vllm_xargs`` (:data:`XARGS_PATHS`, read from vLLM's routes at
+start-up: completions, chat, ``/v1/messages``, ``/v1/responses``, ...). This is the API layer's
+half; the engine's half is that it serves only the server's store copies
+(:func:`preft.serving.bundle_store.is_store_copy`), whatever reaches it.
 
 With runtime loading on (``preft serve --allow-runtime-loading --adapter-root DIR``),
 ``/v1/load_lora_adapter`` with a ReFT-P bundle under DIR registers its name here and
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import typing
 from pathlib import Path
 
 from preft import envs
@@ -35,6 +41,8 @@ REFT_ADAPTERS: dict[str, str] = {}
 #: vLLM's ``OpenAIServingModels`` of this server (its ``lora_requests`` are the LoRA names)
 SERVING_MODELS = None
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: the POST routes whose request body takes ``vllm_xargs`` (:func:`find_xargs_routes` at start-up)
+XARGS_PATHS: set[str] = set(COMPLETION_PATHS)
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
@@ -72,6 +80,41 @@ def _kind_under_root(path) -> str | None:
         return None
 
 
+def find_xargs_routes(app) -> set[str]:
+    """The paths of ``app``'s POST routes whose request body model has a ``vllm_xargs`` field
+    (a union of models counts if one of them has it)."""
+    from fastapi.routing import APIRoute
+
+    found = set()
+    for route in app.routes:
+        if not isinstance(route, APIRoute) or "POST" not in route.methods:
+            continue
+        for field in route.dependant.body_params:
+            annotation = field.field_info.annotation
+            for model in typing.get_args(annotation) or (annotation,):
+                if "vllm_xargs" in (getattr(model, "model_fields", None) or {}):
+                    found.add(route.path)
+    return found
+
+
+def sets_reserved_key(value) -> bool:
+    """Whether any ``vllm_xargs`` object in the JSON ``value`` (nested ones too, as in a batch
+    request) holds :data:`~preft.constants.REFT_EXTRA_ARG`."""
+    if isinstance(value, dict):
+        xargs = value.get("vllm_xargs")
+        if isinstance(xargs, dict) and REFT_EXTRA_ARG in xargs:
+            return True
+        return any(sets_reserved_key(item) for item in value.values())
+    if isinstance(value, list):
+        return any(sets_reserved_key(item) for item in value)
+    return False
+
+
+def _is_json(scope) -> bool:
+    content_type = dict(scope.get("headers", [])).get(b"content-type", b"")
+    return content_type.split(b";")[0].strip().lower() in (b"application/json", b"")
+
+
 async def _read_body(receive) -> bytes:
     body, more = b"", True
     while more:
@@ -102,28 +145,32 @@ class ReftRoutingMiddleware:
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
         admin = runtime_loading() and path in (LOAD, UNLOAD)
-        if scope["type"] != "http" or scope.get("method") != "POST" or not (path in COMPLETION_PATHS or admin):
+        if scope["type"] != "http" or scope.get("method") != "POST" or not (_is_json(scope) or admin):
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
         try:
             data = json.loads(body) if body else None
-        except json.JSONDecodeError:
-            data = None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None  # vLLM's own handler answers malformed JSON
+        if sets_reserved_key(data):
+            # only the server picks bundles: a client-chosen path would reach the engine unchecked
+            return await _respond(send, 400, _error(f"vllm_xargs.{REFT_EXTRA_ARG} is reserved; name a ReFT-P "
+                                                    "adapter in 'model' instead", 400))
         if isinstance(data, dict):
-            if path in COMPLETION_PATHS and isinstance(data.get("vllm_xargs"), dict) \
-                    and REFT_EXTRA_ARG in data["vllm_xargs"]:
-                # only the server picks bundles: a client-chosen path would reach the engine unchecked
-                return await _respond(send, 400, _error(f"vllm_xargs.{REFT_EXTRA_ARG} is reserved; name a ReFT-P "
-                                                        "adapter in 'model' instead", 400))
+            xargs = data.get("vllm_xargs")
+            if path in XARGS_PATHS and xargs is not None and not isinstance(xargs, dict):
+                return await _respond(send, 400, _error(
+                    f"vllm_xargs must be a JSON object, got {type(xargs).__name__}", 400))
             model = data.get("model")
-            if path in COMPLETION_PATHS and isinstance(model, str) and model in REFT_ADAPTERS:
+            if path in XARGS_PATHS and isinstance(model, str) and model in REFT_ADAPTERS:
                 bundle = REFT_ADAPTERS[model]
                 data["model"] = envs.PREFT_SERVE_BASE_NAME or model
-                data["vllm_xargs"] = {**(data.get("vllm_xargs") or {}), REFT_EXTRA_ARG: bundle}
+                data["vllm_xargs"] = {**(xargs or {}), REFT_EXTRA_ARG: bundle}
                 body = json.dumps(data).encode()
-            elif path == LOAD and _kind_under_root(data.get("lora_path")) == "reft":
+            elif path == LOAD and admin and _kind_under_root(data.get("lora_path")) == "reft":
                 return await self._load(send, data)
-            elif path == UNLOAD and isinstance(data.get("lora_name"), str) and data["lora_name"] in REFT_ADAPTERS:
+            elif path == UNLOAD and admin and isinstance(data.get("lora_name"), str) \
+                    and data["lora_name"] in REFT_ADAPTERS:
                 del REFT_ADAPTERS[data["lora_name"]]
                 return await _respond(send, 200, f"Success: ReFT-P adapter '{data['lora_name']}' removed.")
 

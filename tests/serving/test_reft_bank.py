@@ -69,5 +69,5 @@ def test_reft_plan_acquires_slots_only_for_active_tokens(bundles):
                            np.array([1, 3, 4]))
     assert set(bank.slot_of) == {bundles[1]}
     slot = bank.slot_of[bundles[1]]
-    assert plan.single_slot == slot and plan.row_mask.squeeze(1).tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert plan.single_slot == slot and plan.rows.tolist() == [5, 6, 7]
     assert build_reft_plan(bank, [bundles[0]], np.array([9]), np.array([6]), np.array([1])) is None

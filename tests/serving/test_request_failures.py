@@ -86,7 +86,7 @@ def test_reft_plan_fails_the_requests_of_an_unreadable_bundle_and_plans_the_rest
     assert list(failures) == [0] and "cannot be read" in failures[0]
     assert set(bank.slot_of) == {str(bundles["reft"])}
     slot = bank.slot_of[str(bundles["reft"])]
-    assert plan.single_slot == slot and plan.row_mask.squeeze(1).tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0]
+    assert plan.single_slot == slot and plan.rows.tolist() == [3, 4, 5]
     # only the broken bundle: no plan, the failure recorded; without a failures dict it raises
     assert build_reft_plan(bank, [str(broken)], np.array([0]), np.array([3]), np.array([3]), failures) is None
     with pytest.raises(Exception):
