@@ -60,7 +60,7 @@ gpu-check: install
 
 # Rebuild the embedded default base model (about 15 minutes on 2 CPU cores).
 base-model: install
-	$(BIN)/preft train recipes/configs/pretrain_base.yaml
+	$(BIN)/preft train recipes/configs/pretrain_base.yaml overwrite_output_dir=true
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -12,12 +12,21 @@ send, until the time is up, a random mix of:
 - runtime loads and unloads of the pool (8%), and completions for pool adapters (answer or
   404, by the adapter's state at that moment, held under a per-name lock);
 - bad requests (14%), each with its expected status: an unknown model (404), ``max_tokens=0``,
-  a reserved ``vllm_xargs`` key, a load from outside the adapter root, a corrupt or NaN bundle,
-  a name that exists (400), and a request without the key (401).
+  a reserved ``vllm_xargs`` key (on completions and on ``/v1/messages``), a ``vllm_xargs``
+  that is not an object, a prompt that fills the whole context, a load from outside the adapter
+  root, a corrupt bundle, a name that exists (400), and a request without the key (401).
 
-Anything else is an *unexpected failure*. Reported: requests by kind, unexpected failures,
-mismatches, completion latency p50/p99, and the server's memory (RSS of its process tree) at
-the start of the load and at the end, with a plot of both over time.
+Anything else is an *unexpected failure*, recorded with its cause (the answer's status and
+text, or the client's exception) and printed; the server's log is kept (``log_path``).
+Reported: requests by kind, unexpected failures, mismatches, completion latency p50/p99, and
+the server's memory (RSS of its process tree) at the start of the load and at the end, with a
+plot of both over time.
+
+The clients keep an idle connection for at most :data:`CLIENT_KEEPALIVE_S`, under the server's
+5 s (uvicorn's ``timeout_keep_alive``, vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``). httpx's default
+is also 5 s: a request sent on a connection idle for just under 5 s can meet the server closing
+it, and fails with a read error although the server did nothing wrong (the one unexpected
+failure of an earlier 10-minute soak, a corrupt-bundle load answered by a read error).
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ PROMPTS = ["add 12 35 =", "reverse 3 1 4 1 5 =", "the quiet", "a=7 b=2 c=9 ; c =
            "copy 4 4 2 ="]
 START_UP = {"lora0": "lora", "lora1": "lora", "lora2": "lora", "lora3": "lora", "reft0": "reft"}
 POOL = {"pool_lora0": "lora", "pool_lora1": "lora", "pool_reft0": "reft"}
+MAX_MODEL_LEN = 256
+CLIENT_KEEPALIVE_S = 2.0  # under the server's 5 s keep-alive (see the module docstring)
 
 
 def _config(kind: str, index: int):
@@ -104,62 +115,83 @@ def process_tree_rss(pid: int) -> float:
 async def drive(url: str, root: Path, reference: dict, seconds: float, concurrency: int, seed: int,
                 pid: int) -> dict:
     rng = random.Random(seed)
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    admin = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120,
+                                http_client=httpx.AsyncClient(limits=limits, timeout=120))
+    admin = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
+                              limits=limits)
     loaded = {name: False for name in POOL}
     locks = {name: asyncio.Lock() for name in POOL}
     records, memory = [], []
     deadline = time.time() + seconds
 
-    async def complete(model: str, prompt: str, expect, kind: str = "completion", body: dict | None = None) -> None:
+    async def complete(model: str, prompt, expect, kind: str = "completion", body: dict | None = None,
+                       what: str | None = None) -> None:
         """One completion; ``expect`` is "answer" (200 and HF's text) or the expected status."""
         started = time.time()
         try:
             response = await client.completions.create(
                 model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0,
                 extra_body={"min_tokens": NEW_TOKENS, **(body or {})})
-            status, text = 200, response.choices[0].text
+            status, text, detail = 200, response.choices[0].text, None
         except openai.APIStatusError as err:
-            status, text = err.status_code, None
+            status, text, detail = err.status_code, None, str(err.message)[:300]
         except openai.APIError as err:
-            status, text = type(err).__name__, None
+            status, text, detail = type(err).__name__, None, f"{type(err).__name__}: {err!r}"[:300]
         if expect == "answer":
             ok, mismatch = status == 200, status == 200 and text != reference[model][prompt]
         else:
             ok, mismatch = status == expect, False
         records.append({"kind": kind, "ok": ok and not mismatch, "mismatch": mismatch, "status": status,
-                        "seconds": time.time() - started, "at": started, "model": model})
+                        "seconds": time.time() - started, "at": started, "model": model, "what": what or kind,
+                        "detail": detail if not ok else None})
 
-    async def post(path: str, body: dict, expect: int, kind: str, headers=None) -> int:
+    async def post(path: str, body, expect: int, kind: str, headers=None, what: str | None = None) -> int:
         started = time.time()
         try:
-            status = (await admin.post(path, json=body, headers=headers)).status_code
+            response = await admin.post(path, json=body, headers=headers)
+            status, detail = response.status_code, response.text[:300]
         except httpx.HTTPError as err:
+            cause = err.__cause__ or err.__context__
             status = type(err).__name__
+            detail = f"{type(err).__name__}: {err!r}" + (f" (from {type(cause).__name__}: {cause!r})" if cause else "")
         records.append({"kind": kind, "ok": status == expect, "mismatch": False, "status": status,
-                        "seconds": time.time() - started, "at": started, "model": body.get("lora_name")})
+                        "seconds": time.time() - started, "at": started, "what": what or f"{kind} {path}",
+                        "model": body.get("lora_name") or body.get("model") if isinstance(body, dict) else None,
+                        "detail": detail[:300] if status != expect else None})
         return status
 
     async def bad_request() -> None:
-        choice = rng.randrange(7)
+        choice = rng.randrange(10)
+        reserved = {"vllm_xargs": {REFT_EXTRA_ARG: str(root / "reft0")}}  # only the server picks bundles
         if choice == 0:
-            await complete("nobody", "add 1 2 =", 404, "bad request")
+            await complete("nobody", "add 1 2 =", 404, "bad request", what="unknown model")
         elif choice == 1:
-            await complete("lora1", "add 1 2 =", 400, "bad request", {"max_tokens": 0})
+            await complete("lora1", "add 1 2 =", 400, "bad request", {"max_tokens": 0}, what="max_tokens=0")
         elif choice == 2:
-            reserved = {"vllm_xargs": {REFT_EXTRA_ARG: str(root / "reft0")}}  # only the server picks bundles
-            await complete("base", "add 1 2 =", 400, "bad request", reserved)
+            await complete("base", "add 1 2 =", 400, "bad request", reserved, what="reserved key")
         elif choice == 3:
-            await post("/v1/load_lora_adapter", {"lora_name": "escape", "lora_path": "/etc"}, 400, "bad request")
+            await post("/v1/load_lora_adapter", {"lora_name": "escape", "lora_path": "/etc"}, 400, "bad request",
+                       what="load outside the root")
         elif choice == 4:
             await post("/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(root / "corrupt")}, 400,
-                       "bad request")
+                       "bad request", what="corrupt load")
         elif choice == 5:
             await post("/v1/load_lora_adapter", {"lora_name": "lora2", "lora_path": str(root / "pool_lora0")}, 400,
-                       "bad request")
+                       "bad request", what="name taken")
+        elif choice == 6:
+            await post("/v1/messages", {"model": "base", "max_tokens": 2, "messages": [
+                {"role": "user", "content": "add 1 2 ="}], **reserved}, 400, "bad request",
+                what="reserved key on /v1/messages")
+        elif choice == 7:
+            await complete("reft0", "add 1 2 =", 400, "bad request", {"vllm_xargs": ["preft_reft", "/etc"]},
+                           what="vllm_xargs not an object")
+        elif choice == 8:
+            await complete(rng.choice(["base", "lora0"]), [5] * MAX_MODEL_LEN, 400, "bad request",
+                           {"max_tokens": 1, "min_tokens": 0}, what="prompt fills the context")
         else:
             await post("/v1/unload_lora_adapter", {"lora_name": "lora0"}, 401, "bad request",
-                       headers={"Authorization": "Bearer wrong"})
+                       headers={"Authorization": "Bearer wrong"}, what="no key")
 
     async def worker() -> None:
         while time.time() < deadline:
@@ -215,7 +247,9 @@ def summarize(run: dict) -> dict:
         "requests": len(records),
         "by_kind": {kind: sum(r["kind"] == kind for r in records) for kind in kinds},
         "unexpected_failures": len(unexpected),
-        "unexpected_examples": [{k: r[k] for k in ("kind", "model", "status")} for r in unexpected[:5]],
+        "unexpected": [{"at_s": round(r["at"] - run["started"], 1), **{k: r.get(k) for k in
+                                                                        ("what", "model", "status", "detail")}}
+                       for r in unexpected],
         "mismatches": sum(r["mismatch"] for r in records),
         "completion_latency_s": {"p50": percentile(0.50), "p99": percentile(0.99),
                                  "mean": statistics.mean(latencies) if latencies else float("nan")},
@@ -258,17 +292,20 @@ def main(minutes: float = 3.0, concurrency: int = 16, seed: int = 0, publish: bo
     return result
 
 
-def measure(minutes: float, concurrency: int, seed: int) -> tuple[dict, dict]:
-    """``(summary, the run's samples)`` of one soak."""
+def measure(minutes: float, concurrency: int, seed: int, log_path: Path | None = None) -> tuple[dict, dict]:
+    """``(summary, the run's samples)`` of one soak; the server's log is kept at ``log_path``
+    (default ``runs/soak/server.log``)."""
+    log_path = Path(log_path or REPO / "runs" / "soak" / "server.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "adapter_root"
         root.mkdir()
         reference = build(root)
-        args = ["--dtype", "float32", "--max-model-len", "256", "--max-rank", "8", "--max-adapters", "4",
+        args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-rank", "8", "--max-adapters", "4",
                 "--allow-runtime-loading", "--adapter-root", str(root), "--state-dir", str(Path(tmp) / "store")]
         for name in START_UP:
             args += ["--adapter", f"{name}={root / name}"]
-        proc, url, ready_s = start_server([*args, "--", "--api-key", API_KEY], Path(tmp) / "server.log")
+        proc, url, ready_s = start_server([*args, "--", "--api-key", API_KEY], log_path)
         try:
             run = asyncio.run(drive(url, root, reference, minutes * 60, concurrency, seed, proc.pid))
         finally:
@@ -278,7 +315,10 @@ def measure(minutes: float, concurrency: int, seed: int) -> tuple[dict, dict]:
         f" --{key} {value}" for key, value in (("minutes", minutes), ("concurrency", concurrency))
         if value != default_of(main, key))
     result = {"command": command, "machine": f"{platform.machine()}, {os.cpu_count()} cores", "minutes": minutes,
-              "concurrency": concurrency, "server_ready_s": ready_s, **summary}
+              "concurrency": concurrency, "server_ready_s": ready_s, "server_log": str(log_path), **summary}
+    for failure in summary["unexpected"]:
+        print(f"soak: unexpected at {failure['at_s']} s: {failure['what']} ({failure['model']}) -> "
+              f"{failure['status']}: {failure['detail']}")
     return result, run
 
 

@@ -110,7 +110,7 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path,
     summary_path, metrics_path = run_dir / "run_summary.json", run_dir / "eval_metrics.json"
     if summary_path.is_file() and metrics_path.is_file():
         def settings(c):  # what the run trained with (how it got there, resumed or not, aside)
-            return {k: v for k, v in json.loads(json.dumps(c, default=str)).items() if k != "resume_from_checkpoint"}
+            return {k: v for k, v in json.loads(json.dumps(c, default=str)).items() if k not in ("resume_from_checkpoint", "overwrite_output_dir")}
 
         if settings(json.loads(summary_path.read_text()).get("config", {})) == settings(config):
             print(f"  {run_dir.name}: done before, reused")
@@ -121,6 +121,8 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path,
             config["resume_from_checkpoint"] = True
         except ValueError:
             pass  # no complete checkpoint: train from the start
+    # a run directory of this grid (inside the claimed --out) that is not resumed is trained anew over
+    config["overwrite_output_dir"] = config.get("resume_from_checkpoint") is not True
     summary = sft.main(config)
     train_set, held_out = data
     model_path = preft.DEFAULT_BASE_MODEL if config["model"] == "default" else config["model"]

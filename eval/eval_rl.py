@@ -35,7 +35,8 @@ LABELS = {"lora": "LoRA (all tokens)", "lora_p": "LoRA-P", "reft_p": "LoReFT-P"}
 def run_config(method: str, rank: int, seed: int, steps: int, batch: int, model: str, run_dir: Path) -> dict:
     config_file, adapter = METHODS[method]
     config = load_config(CONFIGS / config_file)
-    config.update(output_dir=str(run_dir), model=model, resume_from_checkpoint=None)
+    # a run directory of the eval (inside its claimed --out), trained anew
+    config.update(output_dir=str(run_dir), model=model, resume_from_checkpoint=None, overwrite_output_dir=True)
     section = adapter(rank)
     if section["type"] == "reft_p":
         config["adapter"] = section

@@ -4,7 +4,8 @@ against HF) into the eval results directory.
 
     preft eval soak [--minutes 3] [--concurrency 16] [--out runs/eval]
 
-Writes ``OUT/soak/results.json``, ``soak.md`` and ``soak.png``; ``preft eval report`` gathers
+Writes ``OUT/soak/results.json``, ``soak.md``, ``soak.png`` and the server's ``server.log``
+(each unexpected failure is in the results with its cause); ``preft eval report`` gathers
 them with the rest (``preft bench soak`` is the same run, published to docs/RESULTS.md).
 """
 
@@ -19,10 +20,10 @@ from preft.eval import bench_soak
 def main(minutes: float = 3.0, concurrency: int = 16, seed: int = 0, out: str = "runs/eval") -> dict:
     if minutes <= 0 or concurrency < 1:
         raise ValueError("--minutes must be > 0 and --concurrency >= 1")
-    result, run = bench_soak.measure(minutes, concurrency, seed)
-    result["command"] = result["command"].replace("preft bench soak", "preft eval soak", 1)
     soak_dir = Path(out) / "soak"
     soak_dir.mkdir(parents=True, exist_ok=True)
+    result, run = bench_soak.measure(minutes, concurrency, seed, log_path=soak_dir / "server.log")
+    result["command"] = result["command"].replace("preft bench soak", "preft eval soak", 1)
     (soak_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     bench_soak.plot(run, soak_dir / "soak.png", f"{result['command']}: {result['requests']} requests")
     markdown = bench_soak.soak_markdown(result, "soak.png")

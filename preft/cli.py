@@ -92,6 +92,11 @@ def _bench(args) -> int:
 def _eval(args) -> int:
     module = importlib.import_module(EVALS[args.which][0])
     options = {key: value for key, value in vars(args).items() if key not in ("command", "which", "run")}
+    if args.which != "report" and options.get("out"):  # report only reads it
+        from preft.output_dirs import claim
+
+        # the results directory of every preft eval command: new, empty, or one preft eval made
+        claim(options["out"], "eval", resume=True, overwrite=False, how_to_overwrite=None)
     module.main(**options)
     return 0
 

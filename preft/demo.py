@@ -58,7 +58,8 @@ def train_adapter(name: str, config_file: str, steps: int, output_dir: Path) -> 
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("".join(json.dumps(row) + "\n" for row in private_rule_examples(name, 2000, seed=0)))
     config = load_config(CONFIGS / config_file)
-    config.update(output_dir=str(output_dir / "train" / name), resume_from_checkpoint=None)
+    # inside the demo's own directory: a rerun trains anew over what the last one wrote
+    config.update(output_dir=str(output_dir / "train" / name), resume_from_checkpoint=None, overwrite_output_dir=True)
     config["data"] = {"task": "local", "path": str(data), "eval_examples": 64}
     config["trainer"].update(max_steps=steps, report_to="none", eval_strategy="no", save_strategy="no",
                              logging_steps=max(1, steps // 10))
@@ -84,7 +85,9 @@ def main(steps: int = 300, output_dir: str = "runs/demo", eval_adapters: int = 8
 
     started = time.time()
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from preft.output_dirs import claim
+
+    claim(out, "demo", resume=True, overwrite=False, how_to_overwrite=None)  # new, empty, or an earlier demo's
 
     def stage(text: str) -> None:
         console.rule(f"[bold]{text}[/bold] ({time.time() - started:.0f} s)")

@@ -9,7 +9,9 @@ prompt/completion (``prompt`` = the messages before it, ``completion`` = ``[answ
 Held-out rows are the source's ``validation`` or ``test`` split where it has one, else
 ``eval_examples`` rows split off the training rows with a fixed seed. Every problem is one
 :class:`DataError` naming it, raised before any training: a missing file, missing columns, an
-empty split, an empty completion, a row longer than the model's context.
+empty split, a row that is neither form or both, or mixes forms with other rows, an empty or
+missing completion (an empty CSV cell), a row longer than the model's context; a row's error
+names the file and the row (and the line of a JSONL file).
 
 >>> from preft.user_data import to_prompt_completion
 >>> to_prompt_completion({"messages": [{"role": "user", "content": "hi"},
@@ -76,13 +78,58 @@ def _load_quietly(path: Path):
             from None
 
 
-def _normalised(split, name: str):
+def _row_format(row: dict[str, Any]) -> str:
+    """``"prompt/completion"`` or ``"messages"``: which form one raw row has, or a DataError
+    saying what is wrong with it (a row with both, neither, a missing or empty part)."""
+    has_pair = row.get("prompt") is not None or row.get("completion") is not None
+    has_messages = row.get("messages") is not None
+    if has_pair and has_messages:
+        raise DataError("it has both 'messages' and 'prompt'/'completion': give one or the other")
+    if has_messages:
+        answer = to_prompt_completion(row)["completion"][0]  # raises with the reason
+        if not str(answer.get("content") or "").strip():
+            raise DataError("its assistant message (the completion) is empty")
+        return "messages"
+    if not has_pair:
+        raise DataError("it has neither 'prompt' and 'completion' nor 'messages'")
+    prompt, completion = row.get("prompt"), row.get("completion")
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if value is None:
+            raise DataError(f"its {name} is missing (an empty cell or null)")
+        if not isinstance(value, (str, list)):
+            raise DataError(f"its {name} is a {type(value).__name__}, not text or a list of messages")
+    if type(prompt) is not type(completion):
+        raise DataError("its prompt and completion are not both text or both lists of messages")
+    if isinstance(completion, str) and not completion.strip():
+        raise DataError("its completion is empty")
+    return "prompt/completion"
+
+
+def _where(name: str, path: Path, index: int) -> str:
+    """``NAME row I`` (0-based, in the source's order), with the line number for a JSONL file."""
+    line = f" (line {index + 1})" if path.suffix.lower() == ".jsonl" else ""
+    return f"{name} row {index}{line}"
+
+
+def _normalised(split, name: str, path: Path):
+    """The split in TRL's prompt/completion form; every row checked first, one format per source."""
     columns = split.column_names
-    if "prompt" in columns and "completion" in columns:
-        return split.select_columns(["prompt", "completion"])
-    if "messages" in columns:
+    if not ({"prompt", "completion"} <= set(columns) or "messages" in columns):
+        raise DataError(f"{name} has columns {columns}: expected 'prompt' and 'completion', or 'messages'")
+    first: tuple[int, str] | None = None
+    for index, row in enumerate(split):
+        try:
+            kind = _row_format(row)
+        except DataError as err:
+            raise DataError(f"{_where(name, path, index)}: {err}") from None
+        if first is None:
+            first = (index, kind)
+        elif kind != first[1]:
+            raise DataError(f"{_where(name, path, index)} is a {kind} row, but row {first[0]} is a {first[1]} "
+                            "row: use one format per data source")
+    if first is not None and first[1] == "messages":
         return split.map(to_prompt_completion, remove_columns=columns)
-    raise DataError(f"{name} has columns {columns}: expected 'prompt' and 'completion', or 'messages'")
+    return split.select_columns(["prompt", "completion"])
 
 
 def load_user_data(path: str | Path, eval_examples: int, seed: int = 0, tokenizer=None, context: int | None = None):
@@ -93,10 +140,10 @@ def load_user_data(path: str | Path, eval_examples: int, seed: int = 0, tokenize
     splits = _load(path)
     if "train" not in splits:
         raise DataError(f"{path}: no 'train' split (found {sorted(splits)})")
-    train = _normalised(splits["train"], f"{path} (train)")
+    train = _normalised(splits["train"], f"{path} (train)", path)
     held_out = next((splits[s] for s in HELD_OUT_SPLITS if s in splits), None)
     if held_out is not None:
-        held_out = _normalised(held_out, f"{path} (held-out)")
+        held_out = _normalised(held_out, f"{path} (held-out)", path)
     if tokenizer is not None:
         check_fits(train, tokenizer, context, f"{path}")
         if held_out is not None:

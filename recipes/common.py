@@ -12,6 +12,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 import preft
+from preft.output_dirs import check_claim, mark
 from preft.recipe_config import check_fields
 from preft.trainers.checks import check_model_path
 
@@ -93,6 +94,22 @@ def resolve_resume(output_dir: str, resume: Any) -> str | None:
     if not isinstance(resume, str) or not _complete(Path(resume)):
         raise ValueError(f"resume_from_checkpoint {resume!r} is not a complete checkpoint directory")
     return resume
+
+
+def claim_output_dir(config: dict[str, Any], recipe: str, resuming: bool) -> None:
+    """``output_dir`` becomes this run's (:mod:`preft.output_dirs`): new or empty, this recipe's
+    run being resumed, or ``overwrite_output_dir=true``; else one error, before anything is
+    written. Every process checks; the main one writes the marker."""
+    from accelerate import PartialState
+
+    overwrite = config.get("overwrite_output_dir", False)
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite_output_dir must be true or false, got {overwrite!r}")
+    run_id = check_claim(config["output_dir"], f"train:{recipe}", resume=resuming, overwrite=overwrite,
+                         how_to_overwrite="overwrite_output_dir=true", resume_unmarked=True)
+    PartialState().wait_for_everyone()  # nobody writes before everyone has checked
+    if is_main_process():
+        mark(config["output_dir"], f"train:{recipe}", run_id)
 
 
 def steps_done(checkpoint: str | None) -> int:

@@ -27,7 +27,7 @@ from trl import GRPOConfig
 from preft.data import arithmetic_prompts, exact_match_reward
 from preft.recipe_config import check_section
 from preft.recipes.common import (
-    build_adapter_config, build_trl_args, check_keys, is_main_process, resolve_model, resolve_resume,
+    build_adapter_config, build_trl_args, check_keys, claim_output_dir, is_main_process, resolve_model, resolve_resume,
     train, train_log, write_summary,
 )
 from preft.trainers import PreftGRPOTrainer
@@ -56,7 +56,7 @@ def greedy_accuracy(model, tokenizer, rows: Dataset, max_new_tokens: int) -> flo
 
 def main(config: dict[str, Any]) -> dict[str, Any]:
     started = time.time()
-    check_keys(config, {"recipe", "output_dir", "model", "data", "adapter", "trainer"}, {"resume_from_checkpoint"})
+    check_keys(config, {"recipe", "output_dir", "model", "data", "adapter", "trainer"}, {"resume_from_checkpoint", "overwrite_output_dir"})
     output_dir = config["output_dir"]
 
     model_path = resolve_model(config["model"])
@@ -64,6 +64,7 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     peft_config = build_adapter_config(config["adapter"])
     args = build_trl_args(GRPOConfig, config["trainer"], output_dir)
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
+    claim_output_dir(config, "grpo", resuming=resume is not None)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     trainer = PreftGRPOTrainer(model=model_path, reward_funcs=exact_match_reward, args=args,
                                train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config)

@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from preft.data import pretraining_corpus
 from preft.recipe_config import RecipeConfigError, check_section
+from preft.output_dirs import check_claim, mark
 from preft.recipes.common import check_keys
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -86,7 +87,9 @@ def evaluate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int) -> 
 
 def check_config(config: dict[str, Any]) -> None:
     """Every section's keys and value types, before anything is written."""
-    check_keys(config, {"recipe", "output_dir", "seed", "data", "tokenizer", "model", "train"}, set())
+    check_keys(config, {"recipe", "output_dir", "seed", "data", "tokenizer", "model", "train"}, {"overwrite_output_dir"})
+    if not isinstance(config.get("overwrite_output_dir", False), bool):
+        raise RecipeConfigError(f"overwrite_output_dir must be true or false, got {config['overwrite_output_dir']!r}")
     check_section(config["data"], {"corpus_lines": int, "eval_lines": int, "seq_len": int}, "data")
     check_section(config["tokenizer"], {"vocab_size": int}, "tokenizer")
     check_section(config["train"], {"batch_size": int, "max_steps": int, "lr": float, "warmup_steps": (int, 0),
@@ -105,6 +108,9 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     random.seed(config["seed"])
     torch.set_num_threads(train_cfg["threads"])
     output_dir = Path(config["output_dir"])
+    run_id = check_claim(output_dir, "train:pretrain_base", resume=False,
+                         overwrite=config.get("overwrite_output_dir", False),
+                         how_to_overwrite="overwrite_output_dir=true")  # refused before hours of training
 
     # 1. data
     train_lines = pretraining_corpus(data_cfg["corpus_lines"], seed=config["seed"])
@@ -158,7 +164,7 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
             bar.write(f"step {step + 1}: train loss {loss.item():.3f}, eval loss {eval_loss:.3f}")
 
     # 5. save
-    output_dir.mkdir(parents=True, exist_ok=True)
+    mark(output_dir, "train:pretrain_base", run_id)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

@@ -33,7 +33,7 @@ from preft.data import user_examples
 from preft.user_data import load_user_data
 from preft.recipe_config import check_section
 from preft.recipes.common import (
-    LossBeforeTraining, build_adapter_config, build_trl_args, check_keys, is_main_process, resolve_model, resolve_resume,
+    LossBeforeTraining, build_adapter_config, build_trl_args, check_keys, claim_output_dir, is_main_process, resolve_model, resolve_resume,
     train, train_log, write_summary,
 )
 from preft.trainers import PreftSFTTrainer
@@ -61,7 +61,7 @@ def build_datasets(data: dict[str, Any], tokenizer=None, context: int | None = N
 
 def main(config: dict[str, Any]) -> dict[str, Any]:
     started = time.time()
-    check_keys(config, {"recipe", "output_dir", "model", "data", "adapter", "trainer"}, {"resume_from_checkpoint"})
+    check_keys(config, {"recipe", "output_dir", "model", "data", "adapter", "trainer"}, {"resume_from_checkpoint", "overwrite_output_dir"})
     output_dir = config["output_dir"]
 
     # 1-3. everything is validated before the first file is written
@@ -72,6 +72,7 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     peft_config = build_adapter_config(config["adapter"])
     args = build_trl_args(SFTConfig, config["trainer"], output_dir)
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
+    claim_output_dir(config, "sft", resuming=resume is not None)
     trainer = PreftSFTTrainer(model=model_path, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, peft_config=peft_config)
 

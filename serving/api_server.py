@@ -9,6 +9,11 @@
    is placed innermost among vLLM's middlewares, behind its ``--api-key`` check, on every route
    whose body takes ``vllm_xargs`` (read from the app's routes when it is built).
 3. ``/v1/models`` lists the ReFT-P adapters beside the LoRA adapters (names are unique).
+4. ``get_max_tokens`` (vLLM's output-length limit, imported by name into each serving module:
+   every importer is patched): a prompt that fills the whole context leaves no room for a token.
+   vLLM let it through to "max_tokens must be at least 1, got 0" even with ``max_tokens=1``;
+   it is now the same context-length 400 as a prompt one token longer, saying how long a
+   prompt may be.
 """
 
 from __future__ import annotations
@@ -90,6 +95,38 @@ def patch_model_list() -> None:
         return model_list
 
 
+#: the serving modules that import vLLM's ``get_max_tokens`` by name
+MAX_TOKENS_IMPORTERS = (
+    "vllm.entrypoints.openai.completion.serving", "vllm.entrypoints.openai.chat_completion.serving",
+    "vllm.entrypoints.openai.chat_completion.batch_serving", "vllm.entrypoints.openai.responses.serving",
+    "vllm.entrypoints.scale_out.render.serving", "vllm.entrypoints.scale_out.token_in_token_out.serving",
+)
+
+
+def room_for_one_token(original, max_model_len, max_tokens, input_length, *args, **kwargs):
+    """``get_max_tokens``, refusing a prompt that leaves no position for an output token."""
+    limit = original(max_model_len, max_tokens, input_length, *args, **kwargs)
+    if limit < 1 and max_model_len <= input_length:
+        raise ValueError(f"Input length ({input_length}) leaves no room for an output token in the model's maximum "
+                         f"context length ({max_model_len}): a prompt may be at most {max_model_len - 1} tokens.")
+    return limit
+
+
+def patch_max_tokens() -> None:
+    import functools
+    import importlib
+
+    from vllm.entrypoints.serve.utils import api_utils
+
+    original = require(api_utils, "get_max_tokens")
+    patched = functools.wraps(original)(functools.partial(room_for_one_token, original))
+    api_utils.get_max_tokens = patched
+    for name in MAX_TOKENS_IMPORTERS:
+        module = importlib.import_module(name)
+        if require(module, "get_max_tokens") is original:
+            module.get_max_tokens = patched
+
+
 def remove_temporary_store_at_exit() -> None:
     """The store ``preft serve`` made for itself goes with the server (only the API-server
     process, which keeps ``preft serve``'s pid, removes it; a ``--state-dir`` is the user's)."""
@@ -106,3 +143,4 @@ def patch() -> None:
     patch_load_checks()
     patch_reft_routing()
     patch_model_list()
+    patch_max_tokens()

@@ -20,14 +20,16 @@ what is served. Arguments after ``--`` go to vLLM as is.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from preft.export import ExportError
 from preft.serving import SCHEDULER_CLS
 from preft.serving.bundle_store import BundleStore
-from preft.serving.scheduling.admission import split_scheduler_name
+from preft.serving.scheduling.admission import SCHEDULER_CHOICES, split_scheduler_name
 
 
 def vllm_lora_rank(max_rank: int) -> int:
@@ -42,6 +44,28 @@ def vllm_lora_rank(max_rank: int) -> int:
     if not fitting:
         raise ExportError(f"--max-rank {max_rank} is over vLLM's largest LoRA rank {allowed[-1]}")
     return fitting[0]
+
+
+#: vLLM server flags that ``preft serve`` sets itself -> the preft serve flag to use instead
+OWN_FLAGS = {
+    "--tensor-parallel-size": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
+    "--pipeline-parallel-size": "--pipeline-parallel-size", "-pp": "--pipeline-parallel-size",
+    "--max-loras": "--max-adapters", "--max-lora-rank": "--max-rank", "--lora-modules": "--adapter NAME=BUNDLE",
+    "--scheduler-cls": "--scheduler", "--model": "--model", "--max-model-len": "--max-model-len",
+    "--dtype": "--dtype", "--host": "--host", "--port": "--port", "--served-model-name": "--served-model-name",
+    "--shutdown-timeout": "--drain-seconds",
+}
+
+
+def check_vllm_args(vllm_args: list[str]) -> None:
+    """Refuse, in one line, a vLLM flag after ``--`` that ``preft serve`` sets itself (given twice,
+    vLLM would take the last; the parallel ones would also skip preft's CPU thread binding, and
+    vLLM died with a traceback)."""
+    for argument in vllm_args:
+        flag = argument.split("=", 1)[0]
+        if flag in OWN_FLAGS:
+            raise ExportError(f"{flag} after -- is set by preft serve itself: use preft serve's {OWN_FLAGS[flag]} "
+                              "(before --)")
 
 
 def vllm_arguments(args, base_dir: Path) -> list[str]:
@@ -114,6 +138,11 @@ def scheduler_spec(args) -> dict:
     from preft.serving.scheduling.admission import admission_from_spec
     from preft.serving.scheduling.chunk_policies import policy_from_spec
 
+    for flag, value, low in (("--tpot-ms", args.tpot_ms, "> 0"), ("--margin-ms", args.margin_ms, ">= 0"),
+                             ("--feather-max-wait-s", args.feather_max_wait_s, "> 0"),
+                             ("--max-chunk", args.max_chunk, "> 0"), ("--min-chunk", args.min_chunk, "> 0")):
+        if value is not None and not (math.isfinite(value) and (value > 0 if low == "> 0" else value >= 0)):
+            raise ExportError(f"{flag} must be a finite number {low}, got {value}")
     spec = {"name": args.scheduler, "max_chunk": args.max_chunk}
     if args.tpot_ms is not None:
         spec["tpot_ms"] = args.tpot_ms
@@ -153,6 +182,11 @@ def scheduler_spec(args) -> dict:
         state = Path(args.feather_state).resolve()
         if state.is_dir() or not state.parent.is_dir():
             raise ExportError(f"--feather-state must be a file in an existing directory: {args.feather_state}")
+        try:  # the table is written there while serving and at exit: find out now, not at exit
+            tempfile.NamedTemporaryFile(dir=state.parent, prefix=f".{state.name}.", suffix=".probe").close()
+        except OSError as err:
+            raise ExportError(f"--feather-state {args.feather_state}: its directory is not writable "
+                              f"({err.strerror or err})") from None
         spec["feather_state"] = str(state)
     if args.feather_max_wait_s is not None:
         if args.feather_max_wait_s <= 0:
@@ -180,7 +214,6 @@ def check_port_free(host: str, port: int) -> None:
 
 def serve(args) -> int:
     import shutil
-    import tempfile
 
     import preft
 
@@ -195,6 +228,7 @@ def serve(args) -> int:
     if args.max_rank < 1 or args.max_adapters < 1:
         raise ExportError("--max-rank and --max-adapters must be >= 1")
     vllm_lora_rank(args.max_rank)  # over vLLM's largest: refused now, not after the model loads
+    check_vllm_args(args.vllm_args)
     scheduler_spec(args)
     from preft.serving.parallel import check_parallel
 
@@ -265,11 +299,10 @@ def add_arguments(parser) -> None:
                         help="where the server keeps its checked copies of the bundles it serves "
                              "(default: a new temporary directory)")
     parser.add_argument("--scheduler", default="default",
-                        help="prefill chunk policy: 'default' (vLLM's), 'fixed:TOKENS' (at most TOKENS prefill tokens "
-                             "a step) or 'sloweave' (the largest chunk predicted to meet the earliest decode deadline; "
-                             "needs --tpot-ms and --cost-model); and/or an admission order: 'fcfs' (vLLM's), 'lpm' "
-                             "(most cached prefix first) or 'feather' (the CHT + ADD/STOP bandit), joined by '+', "
-                             "e.g. feather+sloweave")
+                        help=f"{SCHEDULER_CHOICES}. 'default': vLLM's; 'fixed:TOKENS': at most TOKENS prefill tokens "
+                             "a step; 'sloweave': the largest chunk predicted to meet the earliest decode deadline "
+                             "(needs --tpot-ms and --cost-model); 'wavepp': pipeline-sized chunks; 'lpm': most cached "
+                             "prefix first; 'feather': the CHT + ADD/STOP bandit")
     parser.add_argument("--tpot-ms", type=float, default=None, help="SLOWeave's time-per-output-token target (ms)")
     parser.add_argument("--cost-model", default=None, metavar="FILE",
                         help="SLOWeave's step cost model, from `preft eval profile` on this machine and model")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from trl import GRPOConfig, GRPOTrainer
 
+from preft.trainers.checkpoints import OwnCheckpointRotation
 from preft.trainers.checks import check_dataset, check_model_path, peft_config_of
 
 
-class PreftGRPOTrainer(GRPOTrainer):
+class PreftGRPOTrainer(OwnCheckpointRotation, GRPOTrainer):
     """GRPO whose rollouts and log-probs both apply the adapter to prompt tokens only.
 
     - Rollouts use HF ``generate`` on the PEFT model: the prefill forward runs the adapter, every

@@ -5,10 +5,11 @@ from __future__ import annotations
 from trl import SFTConfig, SFTTrainer
 
 from preft.context import prompt_lengths_from_labels
+from preft.trainers.checkpoints import OwnCheckpointRotation
 from preft.trainers.checks import check_dataset, check_model_path, is_prefill_only, peft_config_of
 
 
-class PreftSFTTrainer(SFTTrainer):
+class PreftSFTTrainer(OwnCheckpointRotation, SFTTrainer):
     """SFT where the adapter sees prompt tokens only: ``P`` = position of the first completion label.
 
     Accepts prompt/completion data sets, plain text or conversational (TRL formats); the loss is

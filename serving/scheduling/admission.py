@@ -20,6 +20,7 @@ waiting again: preempted, or not placed this step; it goes back in front, as old
 
 from __future__ import annotations
 
+import re
 from collections import deque
 
 from preft.serving.scheduling.chunked_hash_tree import ChunkedHashTree
@@ -125,6 +126,12 @@ class FeatherOrder:
 
 
 ADMISSIONS = ("fcfs", "lpm", "feather")
+#: the prefill chunk policies by the form of their names (``cycle:`` is ``preft eval profile``'s)
+CHUNK_POLICY_NAMES = re.compile(r"default|fixed:\d+|cycle:\d+(,\d+)*|sloweave|wavepp|sloweave\+wavepp")
+#: what ``--scheduler`` takes, for its help and its errors
+SCHEDULER_CHOICES = ("a prefill chunk policy (default, fixed:TOKENS, sloweave, wavepp, sloweave+wavepp; "
+                     "cycle:TOKENS,TOKENS,... for profiling) and/or an admission order (fcfs, lpm, feather), "
+                     "joined by '+', e.g. feather+sloweave")
 
 
 def split_scheduler_name(name: str) -> tuple[str, str]:
@@ -139,9 +146,13 @@ def split_scheduler_name(name: str) -> tuple[str, str]:
     if sorted(chunks) == ["sloweave", "wavepp"]:  # a deadline budget per step, pipeline-sized chunks in it
         chunks = ["sloweave+wavepp"]
     if len(admissions) > 1 or len(chunks) > 1:
-        raise ValueError(f"scheduler {name!r}: at most one admission order ({', '.join(ADMISSIONS)}) and one "
-                         f"prefill chunk policy (sloweave+wavepp counts as one), joined by '+'")
-    return (admissions or ["fcfs"])[0], (chunks or ["default"])[0]
+        raise ValueError(f"scheduler {name!r}: at most one admission order and one prefill chunk policy; "
+                         f"expected {SCHEDULER_CHOICES}")
+    chunk = (chunks or ["default"])[0]
+    if not CHUNK_POLICY_NAMES.fullmatch(chunk):
+        raise ValueError(f"unknown scheduler {name!r}" + (f" (its part {chunk!r})" if chunk != name else "")
+                         + f": expected {SCHEDULER_CHOICES}")
+    return (admissions or ["fcfs"])[0], chunk
 
 
 def make_admission(name: str, cache=None, bandit: FeatherBandit | None = None, max_wait_s: float = 10.0,

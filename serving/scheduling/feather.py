@@ -116,15 +116,26 @@ class FeatherBandit:
     def load(cls, path: str | Path) -> FeatherBandit:
         try:
             data = json.loads(Path(path).read_text())
-            bandit = cls(float(data["exploration"]))
-            bandit.decisions = int(data.get("decisions", 0))
+            bandit = cls(_number(data["exploration"], "exploration", low=0.0))
+            bandit.decisions = int(_number(data.get("decisions", 0), "decisions", low=0))
             for state, action, q, n in data["table"]:
                 if action not in ACTIONS:
                     raise ValueError(f"unknown action {action!r}")
-                bandit.q[(tuple(state), action)], bandit.n[(tuple(state), action)] = float(q), int(n)
+                key = (tuple(state), action)
+                bandit.q[key] = _number(q, f"the value of {key}")
+                bandit.n[key] = int(_number(n, f"the count of {key}", low=0))
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"cannot read the Feather state {path}: {err}") from None
         return bandit
+
+
+def _number(value, what: str, low: float | None = None) -> float:
+    """``value`` as a finite float (at least ``low``), or a ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{what} must be >= {low:g}, got {value!r}")
+    return float(value)
 
 
 class FeatherAdmission:

@@ -218,3 +218,96 @@ def test_config_file_typos_are_named(tmp_path, capsys, old, new, message):
     err = capsys.readouterr().err
     assert message in err and (new.split(":")[0].strip() in err)
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- reliability II: output directories are PreFT's own
+
+
+def _user_checkpoints(directory: Path) -> dict[Path, str]:
+    """An earlier run's checkpoints and a user's note inside one, as the issue found them deleted."""
+    files = {}
+    for step in (50, 100):
+        checkpoint = directory / f"checkpoint-{step}"
+        checkpoint.mkdir(parents=True)
+        for name in ("trainer_state.json", "adapter_model.safetensors"):
+            files[checkpoint / name] = f"{name} of step {step}"
+    files[directory / "checkpoint-50" / "my_notes.txt"] = "the user's own notes"
+    files[directory / "adapter" / "adapter_config.json"] = "the user's adapter"
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return files
+
+
+@pytest.mark.slow
+def test_train_never_deletes_or_overwrites_what_it_did_not_write(tmp_path, capsys):
+    """Before: exit 0 and no warning; checkpoint-50 and checkpoint-100 deleted by HF's rotation
+    (save_total_limit 2), adapter/ and run_summary.json overwritten."""
+    out = tmp_path / "existing"
+    files = _user_checkpoints(out)
+    common = ["train", str(CONFIGS / "sft_lora_p.yaml"), f"output_dir={out}", "trainer.report_to=none",
+              "trainer.max_steps=6", "trainer.save_steps=2", "trainer.eval_strategy=no", *TINY_SFT]
+    assert cli_main(common) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not empty and holds no run to resume" in err \
+        and "overwrite_output_dir=true" in err, err
+    assert all(path.read_text() == text for path, text in files.items())
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoint-100", "checkpoint-50"]  # nothing written
+    # explicitly: the run writes its own files, and its rotation (limit 2) deletes only its own checkpoints
+    assert cli_main([*common, "overwrite_output_dir=true"]) == 0
+    assert (out / "checkpoint-50" / "my_notes.txt").read_text() == "the user's own notes"
+    assert (out / "checkpoint-100" / "trainer_state.json").read_text() == "trainer_state.json of step 100"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-100", "checkpoint-4", "checkpoint-50",
+                                                                 "checkpoint-6"]
+    # its own directory: a resume continues there; a plain rerun is refused like any other
+    assert cli_main([*common, "trainer.max_steps=8", "resume_from_checkpoint=true"]) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-100", "checkpoint-50", "checkpoint-6",
+                                                                 "checkpoint-8"]
+    assert cli_main(common) == 2
+
+
+def test_train_refuses_another_recipes_directory_and_a_bad_flag(tmp_path, capsys):
+    from preft.output_dirs import claim
+
+    out = tmp_path / "grpo_run"
+    claim(out, "train:grpo", resume=False, overwrite=False, how_to_overwrite=None)
+    (out / "checkpoint-2").mkdir()
+    common = ["train", str(CONFIGS / "sft_lora_p.yaml"), f"output_dir={out}", "trainer.report_to=none"]
+    assert cli_main([*common, "resume_from_checkpoint=true"]) == 2  # no complete checkpoint of this recipe
+    assert cli_main([*common, "overwrite_output_dir=maybe"]) == 2
+    err = capsys.readouterr().err
+    assert "overwrite_output_dir must be true or false" in err
+    assert sorted(p.name for p in out.iterdir()) == [".preft_owner.json", "checkpoint-2"]
+
+
+def test_eval_results_directory_must_be_new_empty_or_an_eval_one(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("precious")
+    assert cli_main(["eval", "prefix", "--out", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty and holds no run to resume" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in mine.iterdir()) == ["thesis.tex"]
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("mixed.jsonl", "".join(json.dumps(r) + "\n" for r in [{"prompt": f"p{i}", "completion": f" c{i}"} for i in range(5)]
+                            + [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]),
+     "mixed.jsonl (train) row 5 (line 6) is a messages row, but row 0 is a prompt/completion row"),
+    ("empty_cell.csv", "prompt,completion\np0,c0\np1,\np2,c2\n",
+     "empty_cell.csv (train) row 1: its completion is missing (an empty cell or null)"),
+    ("both.jsonl", json.dumps({"prompt": "a", "completion": "b", "messages": []}) + "\n",
+     "both.jsonl (train) row 0 (line 1): it has both 'messages' and 'prompt'/'completion'"),
+    ("number.jsonl", json.dumps({"prompt": "a", "completion": 3}) + "\n",
+     "number.jsonl (train) row 0 (line 1): its completion is a int"),
+])
+def test_eval_loss_names_the_file_and_row_of_bad_data(tmp_path, capsys, name, text, message):
+    """Before: a tokenizer's message ("You need to specify either `text` or `text_target`", "text
+    input must be of type `str`") that named neither the file nor the row."""
+    data = tmp_path / name
+    data.write_text(text)
+    assert cli_main(["eval", "loss", "--data", str(data), "--out", str(tmp_path / "out"), "--steps", "1",
+                     "--ranks", "1", "--methods", "lora_p"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "out" / "loss").exists()

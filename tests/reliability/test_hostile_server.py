@@ -171,12 +171,17 @@ def test_serve_refuses_a_port_in_use_in_one_line_before_loading(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--allow-runtime-loading"], "needs --adapter-root"),
     (["--adapter", "a=x", "--adapter", "a=y"], "names must be unique"),
+    # before: vLLM's own parallel flag after -- died in vLLM with a traceback (no CPU thread binding)
+    (["--", "--pipeline-parallel-size", "2"], "use preft serve's --pipeline-parallel-size (before --)"),
+    (["--", "-tp=2"], "use preft serve's --tensor-parallel-size"),
+    (["--", "--max-loras", "9"], "use preft serve's --max-adapters"),
 ])
 def test_serve_refuses_unsafe_or_ambiguous_settings(capsys, argv, message):
     from preft.cli import main as cli_main
 
     assert cli_main(["serve", *argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
 
 
 def _fresh_copy(adapters, source: str, name: str):
@@ -322,3 +327,52 @@ def test_a_non_object_vllm_xargs_is_a_clean_400_that_keeps_the_connection(server
     finally:
         connection.close()
     assert "Exception in ASGI application" not in server["log"].read_text()
+
+
+@pytest.mark.slow
+def test_a_prompt_that_fills_the_context_is_a_clear_400(server, reference):
+    """Before: a prompt of exactly --max-model-len tokens with max_tokens=1 got "max_tokens must
+    be at least 1, got 0"; one token longer got the context message."""
+    for length, message in ((128, "leaves no room for an output token"), (129, "exceeds model's maximum context")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client(server).completions.create(model="user0", prompt=[5] * length, max_tokens=1)
+    assert len(client(server).completions.create(model="user0", prompt=[5] * 127, max_tokens=1).choices[0].text) >= 0
+    assert complete(server, "user1", PROMPTS[0]) == reference[("user1", PROMPTS[0])]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scheduler", "sloweave", "--tpot-ms", "nan", "--cost-model", "x.json"], "--tpot-ms must be a finite number > 0"),
+    (["--scheduler", "sloweave", "--tpot-ms", "-5", "--cost-model", "x.json"], "--tpot-ms must be a finite number > 0"),
+    (["--scheduler", "feather", "--feather-max-wait-s", "nan"], "--feather-max-wait-s must be a finite number > 0"),
+    (["--scheduler", "fixed:64", "--margin-ms", "inf"], "--margin-ms must be a finite number >= 0"),
+    (["--scheduler", "feather", "--feather-state", "/proc/feather.json"], "its directory is not writable"),
+    (["--scheduler", "bogus"], "unknown scheduler 'bogus': expected a prefill chunk policy (default, fixed:TOKENS"),
+    (["--scheduler", "feather+unknown"], "unknown scheduler 'feather+unknown' (its part 'unknown')"),
+])
+def test_serve_refuses_meaningless_scheduler_settings_before_start_up(capsys, argv, message):
+    """Before: NaN targets and age bounds were accepted (the bound never applied), an unwritable
+    Feather state passed start-up and the table was lost at exit, and an unknown scheduler's
+    message ended in a garbled "cycle:TOKENS,... calibrates" without the admission orders."""
+    from preft.cli import main as cli_main
+
+    assert cli_main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    if "unknown scheduler" in message:
+        assert "fcfs, lpm, feather" in err and "calibrates" not in err
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"exploration": -5}, "exploration must be >= 0"),
+    ({"exploration": "lots"}, "exploration must be a finite number"),
+    ({"decisions": -1}, "decisions must be >= 0"),
+])
+def test_serve_refuses_a_meaningless_feather_state_file(tmp_path, capsys, change, message):
+    from preft.cli import main as cli_main
+    from preft.serving.scheduling.feather import FeatherBandit
+
+    state = FeatherBandit().save(tmp_path / "feather.json")
+    state.write_text(json.dumps({**json.loads(state.read_text()), **change}))
+    assert cli_main(["serve", "--scheduler", "feather", "--feather-state", str(state)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
