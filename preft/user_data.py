@@ -88,7 +88,7 @@ def _row_format(row: dict[str, Any]) -> str:
     if has_messages:
         answer = to_prompt_completion(row)["completion"][0]  # raises with the reason
         if not str(answer.get("content") or "").strip():
-            raise DataError("its assistant message (the completion) is empty")
+            raise DataError("it has an empty completion (the assistant's message)")
         return "messages"
     if not has_pair:
         raise DataError("it has neither 'prompt' and 'completion' nor 'messages'")
@@ -101,7 +101,7 @@ def _row_format(row: dict[str, Any]) -> str:
     if type(prompt) is not type(completion):
         raise DataError("its prompt and completion are not both text or both lists of messages")
     if isinstance(completion, str) and not completion.strip():
-        raise DataError("its completion is empty")
+        raise DataError("it has an empty completion")
     return "prompt/completion"
 
 

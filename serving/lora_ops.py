@@ -9,10 +9,10 @@ kernel such as punica's SGMV, written with torch ops): the rows that have an ada
 by slot, cut into tiles of ``tile_rows`` rows that each belong to one slot. Per LoRA layer:
 one gather of the rows, one gather of the weights *per tile* (not per token), one ``bmm``
 shrink shared by the layer's slices (q/k/v, gate/up), one ``bmm`` expand per slice and one
-``index_add_`` of its result into the rows it belongs to, whatever the number of adapters in
-the step. Rows with ``-1`` are never computed with adapter weights and get nothing added (or
-zeros where an op overwrites its output): no 0/1 mask multiplies them, so one adapter's NaN or
-inf cannot reach another request's rows. A step whose rows all use one slot runs plain
+gather of its result back into row order, whatever the number of adapters in
+the step. Rows with ``-1`` are never computed with adapter weights and get exact zeros added
+(or written, where an op overwrites its output): no 0/1 mask multiplies them, so one adapter's
+NaN or inf cannot reach another request's rows. A step whose rows all use one slot runs plain
 matmuls over its adapter rows. The plan depends
 only on the step's per-token slots, so the worker builds it once per step into the step
 context (:mod:`preft.serving.step_context`) and every LoRA layer of the step reuses it
@@ -140,9 +140,9 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
         b_tiles = torch.index_select(b_t, 0, plan.tile_slots, out=space.get("b_t", num_tiles, rank, size))
         expanded = torch.bmm(shrunk[..., j * rank: (j + 1) * rank], b_tiles,
                              out=space.get("expanded", num_tiles, tile_rows, size))
-        rows = torch.index_select(expanded.view(-1, size), 0, plan.positions,
-                                  out=space.get("rows", plan.num_active, size))
-        y[:, offset: offset + size].index_add_(0, plan.rows, rows.to(y.dtype))
+        expanded[-1].zero_()  # the trailing tile, read by the rows without an adapter: exact zeros
+        rows = torch.index_select(expanded.view(-1, size), 0, plan.untile, out=space.get("rows", plan.num_rows, size))
+        y[:, offset: offset + size].add_(rows.to(y.dtype))
         offset += size
 
 

@@ -5,8 +5,8 @@ kernels in ``preft.kernels``) reads its rows through one :class:`TilePlan`, buil
 from the per-row slots (``-1`` = no adapter): the rows that have an adapter, sorted by slot,
 cut into tiles of ``tile_rows`` rows that each belong to one slot. That is the layout of a
 segmented GEMM (punica's SGMV): per tile, one gather of rows and one of weights, one ``bmm``.
-Rows without an adapter take no part: they are not gathered, and results are added back
-into the adapter rows alone (:meth:`TilePlan.add_into_rows`).
+Rows without an adapter take no part: they are not gathered, and what is added to them is
+an exact zero, never a value multiplied by a 0/1 mask (:class:`TilePlan`).
 """
 
 from __future__ import annotations
@@ -26,23 +26,24 @@ class TilePlan:
     """How the rows of one step with an adapter are grouped for batched matmuls.
 
     Isolation: a row without an adapter is never computed with adapter weights, and nothing
-    computed from adapter weights is ever written into it. The rows that have one are gathered
-    (``rows``), computed, and added back into exactly those rows (``index_add_``): never a
-    product with a 0/1 mask, which would turn one adapter's NaN or inf into every row's NaN.
+    computed from adapter weights reaches it; no product with a 0/1 mask is used for that, since
+    ``0 * NaN`` is NaN and one adapter's NaN or inf would reach every row.
 
-    Single slot: ``rows`` (or every row, when ``rows`` is None) with that slot's weights, plain
-    matmuls. Several slots: ``gather`` reads the rows with an adapter into tiles of
-    ``tile_rows`` rows of one slot each (a group's last tile padded with copies of a row of
-    the step: their results are computed and never read back), and ``positions`` says which
-    tile position holds each of ``rows``.
+    Single slot: the slot's rows (``rows``; every row when ``rows`` is None) are computed with
+    plain matmuls and added back into those rows alone (:meth:`add_into_rows`). Several slots:
+    ``gather`` reads the rows with an adapter into tiles of ``tile_rows`` rows of one slot each
+    (a group's last tile padded with copies of a row, whose results are never read), plus one
+    trailing tile; ``untile`` reads the result back in row order, a row without an adapter
+    reading a position of the trailing tile, which :meth:`back_to_rows` sets to zero (an
+    assignment) first. Gather-then-add, not ``index_add_``: measured 1.4-3x faster here.
     """
 
     num_rows: int
     single_slot: int | None          # set when every row with an adapter uses this slot
-    rows: torch.Tensor | None        # [active] the rows with an adapter, in tile order; None: all (single slot)
+    rows: torch.Tensor | None        # [active] the rows with an adapter (None: every row, single slot)
     gather: torch.Tensor | None      # [tiles * tile_rows] row read at each tile position (several slots)
-    positions: torch.Tensor | None   # [active] tile position of each of ``rows`` (several slots)
-    tile_slots: torch.Tensor | None  # [tiles] slot of each tile (several slots)
+    tile_slots: torch.Tensor | None  # [tiles] slot of each tile, the trailing one's a copy (several slots)
+    untile: torch.Tensor | None      # [num_rows] tile position of each row, in the trailing tile if none
     slots: frozenset[int] = frozenset()  # the slots the step uses
     tile_rows: int = MAX_TILE_ROWS
 
@@ -59,25 +60,28 @@ class TilePlan:
         return x.index_select(0, self.gather).view(-1, self.tile_rows, x.shape[-1])
 
     def back_to_rows(self, computed: torch.Tensor) -> torch.Tensor:
-        """``computed`` (in :meth:`rows_of`'s layout) as ``[active, out]`` in the order of
-        ``rows``; a tile's padding positions are dropped here, unread."""
+        """``computed`` (in :meth:`rows_of`'s layout) as the values to add: ``[active, out]``
+        (single slot) or ``[num_rows, out]`` in row order, exact zeros for the rows without an
+        adapter (the trailing tile is zeroed in place first)."""
         if self.single_slot is not None:
             return computed
-        return computed.reshape(-1, computed.shape[-1]).index_select(0, self.positions)
+        computed = computed.view(-1, self.tile_rows, computed.shape[-1])
+        computed[-1].zero_()
+        return computed.view(-1, computed.shape[-1]).index_select(0, self.untile)
 
     def add_into_rows(self, target: torch.Tensor, values: torch.Tensor) -> None:
-        """``target[rows] += values`` (``values`` from :meth:`back_to_rows`): the rows without
-        an adapter are not touched."""
-        if self.rows is None:
-            target.add_(values)
-        else:
+        """``target += values`` (``values`` from :meth:`back_to_rows`), into the slot's rows
+        alone when a single slot has some rows."""
+        if self.single_slot is not None and self.rows is not None:
             target.index_add_(0, self.rows, values)
+        else:
+            target.add_(values)
 
     def real_positions(self) -> torch.Tensor:
         """``[tiles * tile_rows]`` bool: the tile positions that hold a row with an adapter (the
-        kernels' store mask; the padding positions are computed and never written)."""
+        kernels' store mask; the other positions are computed and never written)."""
         real = torch.zeros(self.tile_slots.numel() * self.tile_rows, dtype=torch.bool, device=self.gather.device)
-        real[self.positions] = True
+        real[self.untile.index_select(0, self.rows)] = True
         return real
 
 
@@ -105,15 +109,19 @@ def build_tile_plan(indices: torch.Tensor, tile_rows: int | None = None) -> Tile
     if tile_rows is None:
         tile_rows = _cheapest_tile_rows(group_sizes)
     group_tiles = (group_sizes + tile_rows - 1) // tile_rows
-    tile_slots = group_slots.repeat_interleave(group_tiles)
+    # one trailing tile (its results zeroed before use) for the rows without an adapter to read
+    tile_slots = torch.cat([group_slots.repeat_interleave(group_tiles), group_slots[:1]])
     # rank of each row inside its slot's group -> (its group's first tile + rank // tile, rank % tile)
     group_first_row = torch.cumsum(group_sizes, 0) - group_sizes
     rank = torch.arange(rows.numel(), device=rows.device) - group_first_row.repeat_interleave(group_sizes)
     group_first_tile = torch.cumsum(group_tiles, 0) - group_tiles
-    positions = (group_first_tile.repeat_interleave(group_sizes) + rank // tile_rows) * tile_rows + rank % tile_rows
-    gather = rows[:1].repeat(tile_slots.numel() * tile_rows)  # padding reads a real row; never read back
-    gather[positions] = rows
-    return TilePlan(num_rows, None, rows, gather, positions, tile_slots, frozenset(group_slots.tolist()), tile_rows)
+    position = (group_first_tile.repeat_interleave(group_sizes) + rank // tile_rows) * tile_rows + rank % tile_rows
+    size = tile_slots.numel() * tile_rows
+    gather = rows[:1].repeat(size)  # a padding position reads a real row; its result is never read
+    gather[position] = rows
+    untile = torch.full((num_rows,), size - 1, dtype=torch.long, device=rows.device)
+    untile[rows] = position
+    return TilePlan(num_rows, None, rows, gather, tile_slots, untile, frozenset(group_slots.tolist()), tile_rows)
 
 
 def _cheapest_tile_rows(group_sizes: torch.Tensor) -> int:

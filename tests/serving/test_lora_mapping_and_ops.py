@@ -146,14 +146,18 @@ def test_tile_plan_groups_rows_by_slot_with_little_padding():
     plan = build_tile_plan(indices)
     assert plan.single_slot is None and plan.num_rows == indices.numel()
     assert plan.tile_rows == 32  # 7 + 64 rows: 3 tiles of 32 compute fewer rows than 2 of 64 or 5 of 16
-    # slot 2: 1 tile, slot 5: 64 rows = 2 tiles
-    assert plan.tile_slots.tolist() == [2, 5, 5]
+    # slot 2: 1 tile, slot 5: 64 rows = 2 tiles, plus the trailing tile the rows without an adapter read
+    assert plan.tile_slots.tolist() == [2, 5, 5, 2]
     with_adapter = [i for i, s in enumerate(indices.tolist()) if s >= 0]
-    assert sorted(plan.rows.tolist()) == with_adapter  # the rows without an adapter take no part
+    assert sorted(plan.rows.tolist()) == with_adapter  # the rows without an adapter are not gathered
     real = plan.real_positions()
     assert sorted(plan.gather[real].tolist()) == with_adapter
-    for row, position in zip(plan.rows.tolist(), plan.positions.tolist()):  # each row at a position of its slot's tile
-        assert plan.gather[position] == row and plan.tile_slots[position // plan.tile_rows] == indices[row]
+    trailing = plan.untile.numel() and (plan.tile_slots.numel() - 1) * plan.tile_rows
+    for row, slot in enumerate(indices.tolist()):  # every row reads back a position of its own slot's tile
+        if slot >= 0:
+            assert plan.tile_slots[plan.untile[row] // plan.tile_rows] == slot and plan.gather[plan.untile[row]] == row
+        else:
+            assert plan.untile[row] >= trailing and not real[plan.untile[row]]
     assert build_tile_plan(torch.full((6,), -1)) is None  # a decode-only LoRA-P step: no work
 
 
@@ -167,5 +171,5 @@ def test_tile_size_keeps_padding_small(group_rows, tile_rows):
     indices = torch.cat([torch.full((rows,), slot) for slot, rows in enumerate(group_rows)])
     plan = build_tile_plan(indices)
     assert plan.tile_rows == tile_rows
-    tiles = sum(-(-rows // tile_rows) for rows in group_rows)
+    tiles = sum(-(-rows // tile_rows) for rows in group_rows) + 1  # + the trailing tile
     assert plan.tile_slots.numel() == tiles
