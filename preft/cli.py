@@ -78,6 +78,12 @@ def _export(args) -> int:
     return 0
 
 
+def _lm_eval(args) -> int:  # reached only without arguments (main() hands lm-eval its own)
+    from preft.eval.lm_eval_preft import main
+
+    return main(args.lm_eval_args)
+
+
 def _serve(args) -> int:
     from preft.serving.server import serve
 
@@ -135,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(run=_serve)
 
+    lm_eval = sub.add_parser("lm-eval", add_help=False,
+                             help="lm-eval's command line with the preft-completions model (scores served adapters "
+                                  "by the rule): preft lm-eval --model preft-completions --model_args ... --tasks ...")
+    lm_eval.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments")
+    lm_eval.set_defaults(run=_lm_eval)
+
     bench = sub.add_parser("bench", help="side-by-side benchmarks; results go to docs/RESULTS.md")
     benchmarks = bench.add_subparsers(dest="which", metavar="BENCHMARK", required=True)
     for name, (module, what) in BENCHMARKS.items():
@@ -155,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from preft import envs
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:  # every argument is lm-eval's (argparse would take the options for its own)
+        from preft.eval.lm_eval_preft import main as lm_eval_main
+
+        return lm_eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

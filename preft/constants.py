@@ -11,3 +11,7 @@ REFT_EXTRA_ARG = "preft_reft"
 #: attribute of a worker's ``ModelRunnerOutput`` listing the requests whose per-request adapter
 #: work failed this step (``{request_id: reason}``); the scheduler fails those requests alone
 FAILED_REQUESTS_ATTR = "preft_failed_requests"
+
+#: ``SamplingParams.extra_args`` key (``vllm_xargs`` over HTTP) of a request's own prompt boundary
+#: ``K``: positions ``>= K`` are adapter-off although they are prompt (the rule's ``P`` is ``K``)
+PROMPT_END_EXTRA_ARG = "preft_prompt_end"

@@ -16,6 +16,8 @@ chunked prefill, prefix-cache hits and recompute after preemption all agree with
 [False, True, True, True, False, False]
 >>> AdapterRule(prefill_only=True, adapter_start=2).kv_has_adapter(block_end=2)
 False
+>>> AdapterRule(prefill_only=True, adapter_start=2).kv_adapter_span(block_end=128, prompt_length=100)
+(2, 100)
 """
 
 from __future__ import annotations
@@ -60,9 +62,22 @@ class AdapterRule:
         return not self.prefill_only or self.active_in(position, prompt_length, prompt_length)
 
     def kv_has_adapter(self, block_end: int) -> bool:
-        """Whether the KV of positions ``[0, block_end)`` depends on the adapter. Attention looks
-        back only, so KV wholly before ``adapter_start`` is the base model's (and shared)."""
+        """Whether the KV of positions ``[0, block_end)`` can depend on the adapter (for some
+        prompt length). Attention looks back only, so KV wholly before ``adapter_start`` is the
+        base model's (and shared)."""
         return not self.prefill_only or block_end > self.adapter_start
+
+    def kv_adapter_span(self, block_end: int, prompt_length: int) -> tuple[int, int] | None:
+        """The positions of ``[0, block_end)`` whose computation had the adapter, which is what the
+        KV of those positions depends on: ``[adapter_start, min(P, block_end))`` for a
+        prefill-only adapter (None when empty: base-model KV, shared with the base model and
+        every adapter), ``[0, block_end)`` for an all-token one. A prefix-cache key of that KV
+        must carry it: a block that turn 1 filled while decoding (positions past its ``P``,
+        adapter off) is prompt in turn 2 (adapter on), the same tokens under another span."""
+        if not self.prefill_only:
+            return (0, block_end)
+        end = min(prompt_length, block_end)
+        return (self.adapter_start, end) if end > self.adapter_start else None
 
 
 ALL_TOKEN = AdapterRule()

@@ -8,8 +8,8 @@ command per line::
         tokens = engine.generate([{"prompt": "add 1 2 =", "lora": ["alice", 1, BUNDLE]},
                                   {"prompt": "the quiet", "reft": REFT_BUNDLE}], max_tokens=8)["tokens"]
 
-A request is ``{"prompt": str, "lora": [name, int id, bundle dir] | None, "reft": bundle dir |
-None}``; greedy decoding, exactly ``max_tokens`` tokens: EOS is never picked (``min_tokens``, as
+A request is ``{"prompt": str (or "prompt_token_ids": [ids]), "lora": [name, int id, bundle dir]
+| None, "reft": bundle dir | None, "xargs": {extra_args}}``; greedy decoding, exactly ``max_tokens`` tokens: EOS is never picked (``min_tokens``, as
 HF's ``min_new_tokens``: the parity tests) or picked and ignored (``ignore_eos``: the throughput
 benchmark, which spares the logits processor). ``generate`` answers the
 generated token ids of every request and the seconds ``llm.generate`` took (timed in the
@@ -76,12 +76,14 @@ class EngineProcess:
         return self._read()
 
     def generate(self, requests: list[dict], max_tokens: int, sequential: bool = False,
-                 ignore_eos: bool = False, logprobs: bool = False) -> dict:
+                 ignore_eos: bool = False, logprobs: bool = False, prompt_logprobs: bool = False) -> dict:
         """``{"tokens": [[ids] per request], "finish_reasons": [...], "seconds": s}`` (a request
         the engine failed: no tokens, finish reason ``"error"``); ``sequential``: one request at a time;
+        ``prompt_logprobs``: also ``"prompt_logprobs"``, per request the log p of each prompt token
+        (None for the first); a request's ``"xargs"`` go into its ``extra_args``;
         ``logprobs``: also ``"logprobs": [[log p of each generated token] per request]``."""
         return self._ask({"generate": requests, "max_tokens": max_tokens, "sequential": sequential,
-                          "ignore_eos": ignore_eos, "logprobs": logprobs})
+                          "ignore_eos": ignore_eos, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs})
 
     def set_scheduler(self, spec: dict) -> dict:
         """Switch the engine's prefill chunk policy and admission order (a ``PREFT_SCHEDULER``
@@ -146,10 +148,12 @@ def _serve(spec: dict) -> None:
         length = {"ignore_eos": True} if command.get("ignore_eos") else {"min_tokens": n}
         prompts, params, loras = [], [], []
         for request in command["generate"]:
-            prompts.append(request["prompt"])
-            extra = {REFT_EXTRA_ARG: request["reft"]} if request.get("reft") else None
-            params.append(SamplingParams(temperature=0.0, max_tokens=n, extra_args=extra,
-                                         logprobs=0 if command.get("logprobs") else None, **length))
+            ids = request.get("prompt_token_ids")
+            prompts.append({"prompt_token_ids": ids} if ids is not None else request["prompt"])
+            extra = {**request.get("xargs", {}), **({REFT_EXTRA_ARG: request["reft"]} if request.get("reft") else {})}
+            params.append(SamplingParams(temperature=0.0, max_tokens=n, extra_args=extra or None,
+                                         logprobs=0 if command.get("logprobs") else None,
+                                         prompt_logprobs=0 if command.get("prompt_logprobs") else None, **length))
             loras.append(LoRARequest(*request["lora"]) if request.get("lora") else None)
         started = time.perf_counter()
         if command.get("sequential"):  # one request at a time, in order (prefix-cache tests)
@@ -160,6 +164,10 @@ def _serve(spec: dict) -> None:
         seconds = time.perf_counter() - started
         answer = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds,
                   "finish_reasons": [o.outputs[0].finish_reason for o in outputs]}
+        if command.get("prompt_logprobs"):  # log p of each prompt token given the ones before (the first: None)
+            answer["prompt_logprobs"] = [[None if step is None else step[token].logprob
+                                          for step, token in zip(o.prompt_logprobs, o.prompt_token_ids)]
+                                         for o in outputs]
         if command.get("logprobs"):
             answer["logprobs"] = [[step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                                   for o in outputs]

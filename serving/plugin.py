@@ -7,6 +7,8 @@
   the CPU LoRA ops, ReFT-P hooks, the per-step context;
 - **config** (:mod:`preft.serving.engine_config`), where vLLM builds its configuration: async
   scheduling off under PreFT's scheduler;
+- **frontend** (:mod:`preft.serving.frontend`), where prompts become engine requests (the API
+  server, or a script's ``vllm.LLM``): the per-request prompt boundary is checked;
 - **engine core** (:mod:`preft.serving.engine_core`): prefix-cache keys. The scheduler is a
   subclass, :class:`preft.serving.scheduler.PreftScheduler`, passed as ``scheduler_cls``;
 - **API server** (:mod:`preft.serving.api_server`), under ``preft serve`` only: runtime-load
@@ -36,9 +38,10 @@ def register() -> None:
             f"preft's vLLM plugin supports vLLM {SUPPORTED_VLLM}, found {vllm.__version__}: "
             "its patches target private internals of that release"
         )
-    from preft.serving import engine_config, engine_core, worker
+    from preft.serving import engine_config, engine_core, frontend, worker
 
     engine_config.patch()
+    frontend.patch()
     worker.patch()
     engine_core.patch()
     if envs.PREFT_SERVE_BASE:

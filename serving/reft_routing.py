@@ -35,6 +35,7 @@ from preft import envs
 from preft.constants import REFT_EXTRA_ARG
 from preft.export import ExportError, read_manifest
 from preft.serving.bundle_store import BundleStore, resolve_under_root
+from preft.serving.prompt_end import check_prompt_end
 
 #: ReFT-P adapter name -> the server's copy of its bundle, in the API server process
 REFT_ADAPTERS: dict[str, str] = {}
@@ -161,6 +162,11 @@ class ReftRoutingMiddleware:
             if path in XARGS_PATHS and xargs is not None and not isinstance(xargs, dict):
                 return await _respond(send, 400, _error(
                     f"vllm_xargs must be a JSON object, got {type(xargs).__name__}", 400))
+            if path in XARGS_PATHS and isinstance(xargs, dict):
+                try:
+                    check_prompt_end(xargs)
+                except ValueError as err:
+                    return await _respond(send, 400, _error(str(err), 400))
             model = data.get("model")
             if path in XARGS_PATHS and isinstance(model, str) and model in REFT_ADAPTERS:
                 bundle = REFT_ADAPTERS[model]

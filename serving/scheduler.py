@@ -55,6 +55,7 @@ from preft.constants import FAILED_REQUESTS_ATTR
 from preft.rule import bundle_rule
 from preft.serving.bundle_store import served_copy_problem
 from preft.serving.patching import require
+from preft.serving.prompt_end import rule_prompt_length
 from preft.serving.reft import reft_bundle_of, reft_slots
 from preft.serving.scheduling.admission import admission_from_spec
 from preft.serving.scheduling.chunk_policies import StepView, VllmDefault, policy_from_spec
@@ -86,7 +87,12 @@ def _decoding_without_adapter(request) -> bool:
     lora = request.lora_request
     if lora is None:
         return False
-    return not bundle_rule(lora.lora_path).needs_adapter_from(request.num_computed_tokens, request.num_prompt_tokens)
+    return not bundle_rule(lora.lora_path).needs_adapter_from(request.num_computed_tokens, _rule_prompt_length(request))
+
+
+def _rule_prompt_length(request) -> int:
+    """The rule's ``P`` of ``request`` (its prompt length, or its ``preft_prompt_end``)."""
+    return rule_prompt_length(getattr(request.sampling_params, "extra_args", None), request.num_prompt_tokens)
 
 
 class PreftScheduler(Scheduler):
@@ -282,7 +288,7 @@ class PreftScheduler(Scheduler):
         if not num_new_tokens or bundle is None or bundle in self.step_reft_bundles:
             return num_new_tokens
         if not bundle_rule(bundle).active_in(num_computed_tokens, num_computed_tokens + num_new_tokens,
-                                             request.num_prompt_tokens):
+                                             _rule_prompt_length(request)):
             return num_new_tokens
         if len(self.step_reft_bundles) >= self.reft_slots:
             return 0  # every ReFT-P slot of this step is taken: a later step

@@ -2,7 +2,9 @@
 
 1. ``InputBatch.make_lora_inputs`` -> :func:`make_lora_inputs`: per-token LoRA ids by absolute
    position (:mod:`preft.serving.lora_mapping`), each adapter's rule read once from its bundle
-   (:func:`preft.rule.bundle_rule`). A LoRA whose request has no active token this step is not
+   (:func:`preft.rule.bundle_rule`), each request's ``P`` its prompt length or its
+   ``preft_prompt_end`` (:func:`rule_prompt_lengths`; ``add_request`` / ``remove_request`` keep
+   the boundaries of the batch's requests). A LoRA whose request has no active token this step is not
    asked for, so it needs no adapter slot.
 2. ``PunicaWrapperBase.__init__``: room for 3 LoRA segments per request. vLLM sizes its segment
    buffers for one run of equal LoRA ids per request; keyed on position, a request can have
@@ -56,6 +58,7 @@ from preft.constants import FAILED_REQUESTS_ATTR
 from preft.rule import bundle_rule
 from preft.serving import lora_ops, reft
 from preft.serving.bundle_store import NOT_SERVED, is_store_copy
+from preft.serving.prompt_end import prompt_end_of
 from preft.serving.lora_mapping import prefill_only_mapping
 from preft.serving.patching import require, wrap
 from preft.serving.step_context import StepContext, get_step_context, reset_step_context, set_step_context
@@ -63,6 +66,9 @@ from preft.serving.tile_plan import build_tile_plan
 
 logger = logging.getLogger(__name__)
 
+#: request id -> its ``preft_prompt_end`` (:mod:`preft.serving.prompt_end`), for the requests in
+#: this worker's batch that set one (kept by ``InputBatch.add_request`` / ``remove_request``)
+PROMPT_ENDS: dict[str, int] = {}
 #: this worker's ReFT-P bank (one per worker process, made when the model is loaded)
 REFT_BANK: reft.ReftBank | None = None
 #: why this worker cannot apply ReFT-P (a compiled or graph-captured model), or None
@@ -89,6 +95,16 @@ def fail_requests_of_lora(batch, lora_id: int, reason: str) -> None:
     logger.error("preft: failing the requests of LoRA %d: %s", lora_id, reason)
 
 
+def rule_prompt_lengths(batch, n: int) -> np.ndarray:
+    """``P`` per request of the batch's first ``n``: the prompt length, or its boundary."""
+    lengths = np.array(batch.num_prompt_tokens[:n], dtype=np.int64)
+    if PROMPT_ENDS:
+        for index, req_id in enumerate(batch.req_ids[:n]):
+            if req_id in PROMPT_ENDS:
+                lengths[index] = min(lengths[index], PROMPT_ENDS[req_id])
+    return lengths
+
+
 def make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens: np.ndarray):
     """Replacement for ``InputBatch.make_lora_inputs`` (same signature and return types). A LoRA
     whose rule cannot be read is left out (its requests fail, :func:`fail_requests_of_lora`)."""
@@ -103,7 +119,7 @@ def make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens:
             fail_requests_of_lora(self, lora_id, f"LoRA {request.lora_name!r} cannot be read: {err}")
             lora_ids[lora_ids == lora_id] = 0
     token_ids, sampled_ids = prefill_only_mapping(
-        lora_ids, self.num_computed_tokens_cpu[:n], self.num_prompt_tokens[:n],
+        lora_ids, self.num_computed_tokens_cpu[:n], rule_prompt_lengths(self, n),
         np.asarray(num_scheduled_tokens), np.asarray(num_sampled_tokens), rules,
     )
     used = set(np.unique(token_ids).tolist()) | set(np.unique(sampled_ids).tolist())
@@ -160,7 +176,7 @@ def prepare_step(runner, num_scheduled_tokens: np.ndarray) -> None:
             bundles = [None] * n
         failures: dict[int, str] = {}
         reft_plan = reft.build_reft_plan(REFT_BANK, bundles, batch.num_computed_tokens_cpu[:n],
-                                         batch.num_prompt_tokens[:n], np.asarray(num_scheduled_tokens[:n]), failures)
+                                         rule_prompt_lengths(batch, n), np.asarray(num_scheduled_tokens[:n]), failures)
         for index, reason in failures.items():
             context.failed_requests[batch.req_ids[index]] = reason
             logger.error("preft: failing request %s: %s", batch.req_ids[index], reason)
@@ -237,6 +253,18 @@ def patch() -> None:
 
     require(InputBatch, "make_lora_inputs")
     InputBatch.make_lora_inputs = make_lora_inputs
+
+    @wrap(InputBatch, "add_request")
+    def add_request(original, self, request, *args, **kwargs):
+        end = prompt_end_of(getattr(request.sampling_params, "extra_args", None))
+        if end is not None:
+            PROMPT_ENDS[request.req_id] = int(end)
+        return original(self, request, *args, **kwargs)
+
+    @wrap(InputBatch, "remove_request")
+    def remove_request(original, self, req_id, *args, **kwargs):
+        PROMPT_ENDS.pop(req_id, None)
+        return original(self, req_id, *args, **kwargs)
 
     @wrap(PunicaWrapperBase, "__init__")
     def init_with_segment_room(original, self, max_num_batched_tokens, max_batches, device, *args, **kwargs):

@@ -333,3 +333,24 @@ def test_scheduler_names_split_into_admission_order_and_chunk_policy():
         admission_from_spec({"name": "lpm"})
     with pytest.raises(ValueError, match="Feather's"):
         admission_from_spec({"name": "lpm", "feather_state": "x.json"})
+
+
+def test_keys_past_the_prompt_boundary_differ_from_the_same_tokens_as_prompt():
+    """Turn 1 decoded past its P (adapter off there); turn 2 holds the same tokens as prompt
+    (adapter on): a prefill-only adapter's keys tell them apart, the base model's and an
+    all-token adapter's do not, and chunks wholly inside both prompts stay shared."""
+    tokens = list(range(80))  # 10 chunks of 8; turn 1's P = 20, inside the third chunk
+    rule = AdapterRule(prefill_only=True)
+    turn1, turn2 = chunk_keys(tokens, CHUNK, "alice", rule, prompt_length=20), chunk_keys(tokens, CHUNK, "alice", rule)
+    assert turn1[:2] == turn2[:2] and all(a != b for a, b in zip(turn1[2:], turn2[2:]))
+    assert chunk_keys(tokens, CHUNK, prompt_length=20) == chunk_keys(tokens, CHUNK)
+    assert chunk_keys(tokens, CHUNK, "alice", prompt_length=20) == chunk_keys(tokens, CHUNK, "alice")  # all-token
+    late = AdapterRule(prefill_only=True, adapter_start=40)  # the boundary before the adapter starts: base KV
+    assert chunk_keys(tokens, CHUNK, "alice", late, prompt_length=24) == chunk_keys(tokens, CHUNK)
+    seq1, seq2 = (adapter_sequence(tokens, CHUNK, "alice", rule, prompt_length=20),
+                  adapter_sequence(tokens, CHUNK, "alice", rule))
+    tree = RadixTree(CHUNK)
+    tree.insert("turn1", seq1)
+    tree.activate("turn1")  # running: its sequence is in the tree
+    assert tree.match_length(seq2) == 20  # what turn 2 may reuse of turn 1: its prompt, no further
+    assert tree.match_length(seq1) == 80

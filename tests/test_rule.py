@@ -86,13 +86,49 @@ def test_prefix_keys_drop_the_adapter_only_before_its_start(tmp_path):
         (tmp_path / name / MANIFEST).write_text(json.dumps({"format": BUNDLE_FORMAT, "kind": name,
                                                             "prefill_only": True, "adapter_start": start}))
     stock = lambda request, start, end, mm: ((("lora", 1),) if request.lora_request else None, mm)  # noqa: E731
-    lora = SimpleNamespace(lora_request=SimpleNamespace(lora_path=str(tmp_path / "lora")), sampling_params=None)
+    lora = SimpleNamespace(lora_request=SimpleNamespace(lora_path=str(tmp_path / "lora")), sampling_params=None,
+                           num_prompt_tokens=20, request_id="a")
     assert block_extra_keys(stock, lora, 0, 4, 0) == (None, 0)            # wholly before start 4: base KV
-    assert block_extra_keys(stock, lora, 4, 8, 0) == ((("lora", 1),), 0)
-    reft = SimpleNamespace(lora_request=None,
+    assert block_extra_keys(stock, lora, 4, 8, 0) == ((("lora", 1), ("preft_span", 4, 8)), 0)
+    reft = SimpleNamespace(lora_request=None, num_prompt_tokens=20, request_id="b",
                            sampling_params=SimpleNamespace(extra_args={"preft_reft": str(tmp_path / "reft")}))
     assert block_extra_keys(stock, reft, 0, 2, 0) == (None, 0)
-    assert block_extra_keys(stock, reft, 2, 4, 0) == ((("preft_reft", str(tmp_path / "reft")),), 0)
+    assert block_extra_keys(stock, reft, 2, 4, 0) == ((("preft_reft", str(tmp_path / "reft"), 2, 4),), 0)
+
+
+def test_prefix_keys_carry_the_prompt_boundary(tmp_path):
+    """A block one request filled past its prompt (adapter off there) keys apart from the same
+    tokens as prompt (adapter on): turn 1's decoded block is not turn 2's prompt block. Before,
+    both keyed ("lora", 1) and vLLM reused turn 1's KV for turn 2."""
+    from preft.export import BUNDLE_FORMAT, MANIFEST
+    from preft.serving.engine_core import block_extra_keys
+
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / MANIFEST).write_text(json.dumps({"format": BUNDLE_FORMAT, "kind": "lora",
+                                                          "prefill_only": True, "adapter_start": 0}))
+    stock = lambda request, start, end, mm: ((("lora", 1),), mm)  # noqa: E731
+
+    def request(prompt_tokens, extra=None):
+        return SimpleNamespace(lora_request=SimpleNamespace(lora_path=str(tmp_path / "lora")), request_id="r",
+                               num_prompt_tokens=prompt_tokens, sampling_params=SimpleNamespace(extra_args=extra))
+
+    turn1, turn2 = block_extra_keys(stock, request(9), 0, 128, 0), block_extra_keys(stock, request(217), 0, 128, 0)
+    assert turn1 != turn2 and turn1[0][-1] == ("preft_span", 0, 9) and turn2[0][-1] == ("preft_span", 0, 128)
+    # a block wholly inside both prompts is shared; a request's own boundary keys like a shorter prompt
+    assert block_extra_keys(stock, request(200), 0, 128, 0) == turn2
+    assert block_extra_keys(stock, request(217, {"preft_prompt_end": 9}), 0, 128, 0) == turn1
+
+
+def test_kv_adapter_span_is_the_rule_on_the_block():
+    rule = AdapterRule(prefill_only=True, adapter_start=3)
+    assert rule.kv_adapter_span(3, 100) is None and rule.kv_adapter_span(128, 2) is None
+    assert rule.kv_adapter_span(128, 100) == (3, 100) and rule.kv_adapter_span(64, 100) == (3, 64)
+    assert AdapterRule().kv_adapter_span(128, 9) == (0, 128)  # all-token: P does not matter
+    for end in range(0, 12):  # the span is exactly the active positions below the block's end
+        for prompt in range(0, 12):
+            active = [p for p in range(end) if rule.active_in(p, p + 1, prompt)]
+            span = rule.kv_adapter_span(end, prompt)
+            assert active == (list(range(*span)) if span else [])
 
 
 def test_serve_all_token_reaches_every_process_and_the_scheduler_is_preft(tmp_path):

@@ -24,11 +24,13 @@ request, or one the engine could not place this step; it keeps its arrival order
 among equals). A key joining or leaving the working set touches only the waiting requests that
 have that key.
 
-**PreFT-aware keys** (:meth:`~preft.rule.AdapterRule.kv_has_adapter`): a chunk that ends at or
+**PreFT-aware keys** (:meth:`~preft.rule.AdapterRule.kv_adapter_span`): a chunk that ends at or
 before a prefill-only adapter's ``adapter_start`` is base-model KV, so its digest is computed
 without the adapter, and users of different adapters behind one shared system prompt are one
 prefix group. From the first chunk whose KV the adapter changes, the adapter's identity enters
-the digest (and, by chaining, every later one), as vLLM's prefix cache keys blocks by adapter.
+the digest (and, by chaining, every later one), as vLLM's prefix cache keys blocks by adapter;
+a chunk that ends past the rule's ``P`` (a request's own prompt boundary, or tokens it
+decoded) also takes ``P`` into its digest, since those positions ran without the adapter.
 """
 
 from __future__ import annotations
@@ -47,26 +49,29 @@ Key = tuple[int, bytes]
 
 
 def chunk_keys(tokens: Sequence[int], chunk_tokens: int, adapter: str | None = None,
-               rule: AdapterRule | None = None) -> list[Key]:
+               rule: AdapterRule | None = None, prompt_length: int | None = None) -> list[Key]:
     """The CHT keys of a prompt's full chunks (a trailing partial chunk has none).
 
     ``adapter`` names the request's adapter (None: the base model); ``rule`` is its rule (None:
-    the adapter changes every chunk, as an all-token adapter does)."""
+    the adapter changes every chunk, as an all-token adapter does); ``prompt_length`` is the
+    rule's ``P`` (default: every token is prompt)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     data = np.asarray(tokens, dtype=np.int64).tobytes()
     width = 8 * chunk_tokens
     levels = len(tokens) // chunk_tokens
     rule = rule or AdapterRule()  # no rule: the adapter changes every chunk (all-token)
-    # the first level whose KV the adapter changes; its identity enters the chain there
-    first_adapted = None if adapter is None else next(
-        (level for level in range(1, levels + 1) if rule.kv_has_adapter(level * chunk_tokens)), None)
-    digest = b""
+    prompt_length = len(tokens) if prompt_length is None else prompt_length
+    digest, adapted = b"", False
     keys = []
     for level in range(1, levels + 1):
         step = hashlib.blake2b(digest, digest_size=8)
-        if level == first_adapted:
+        span = None if adapter is None else rule.kv_adapter_span(level * chunk_tokens, prompt_length)
+        if span is not None and not adapted:  # the first chunk whose KV the adapter changes
+            adapted = True
             step.update(b"\x00adapter:" + adapter.encode())
+        if span is not None and span[1] < level * chunk_tokens and rule.prefill_only:
+            step.update(b"\x00prompt_end:%d" % span[1])  # positions past P ran without the adapter
         step.update(data[(level - 1) * width: level * width])
         digest = step.digest()
         keys.append((level, digest))

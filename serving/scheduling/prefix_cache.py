@@ -24,14 +24,14 @@ def workload_keys(spec, block_tokens: int, rule: AdapterRule | None = None) -> l
 
     Blocks wholly inside the group's shared prefix are keyed by the group; later ones by the
     request. With an adapter the key gains the adapter from the first block whose KV it changes
-    (``rule.kv_has_adapter``; no rule: every block), so the keys chain as the CHT's do."""
+    (``rule.kv_adapter_span``; no rule: every block), so the keys chain as the CHT's do."""
     keys, adapted = [], False
     for level in range(1, spec.prompt_tokens // block_tokens + 1):
         end = level * block_tokens
         owner = (f"g{spec.prefix_group}" if spec.prefix_group is not None and end <= spec.prefix_tokens
                  else spec.request_id)
-        if spec.adapter is not None and (rule or AdapterRule()).kv_has_adapter(end):
-            adapted = True
+        if spec.adapter is not None and (rule or AdapterRule()).kv_adapter_span(end, spec.prompt_tokens) is not None:
+            adapted = True  # (the keys cover the prompt's blocks, which end at or before P)
         # chained: a request-owned block makes every later block the request's own
         if keys and keys[-1][1] == spec.request_id:
             owner = spec.request_id

@@ -20,17 +20,23 @@ from preft.rule import AdapterRule
 
 
 def adapter_sequence(tokens: Sequence[int], chunk_tokens: int, adapter: str | None = None,
-                     rule: AdapterRule | None = None) -> tuple:
-    """The sequence the tree stores: tokens, adapter-tagged from the first adapted chunk on."""
+                     rule: AdapterRule | None = None, prompt_length: int | None = None) -> tuple:
+    """The sequence the tree stores: tokens, adapter-tagged from the first adapted chunk on
+    (:meth:`~preft.rule.AdapterRule.kv_adapter_span`); a prefill-only adapter's tokens past the
+    rule's ``P`` (default: every token is prompt) are tagged with ``P`` too, since they ran without it."""
     if adapter is None:
         return tuple(tokens)
     rule = rule or AdapterRule()
+    prompt_length = len(tokens) if prompt_length is None else prompt_length
     levels = len(tokens) // chunk_tokens
-    first = next((level for level in range(1, levels + 1) if rule.kv_has_adapter(level * chunk_tokens)), None)
+    first = next((level for level in range(1, levels + 1)
+                  if rule.kv_adapter_span(level * chunk_tokens, prompt_length) is not None), None)
     if first is None:
         return tuple(tokens)
     cut = (first - 1) * chunk_tokens
-    return tuple(tokens[:cut]) + tuple((adapter, token) for token in tokens[cut:])
+    past = (adapter, "past", prompt_length) if rule.prefill_only else adapter
+    return tuple(tokens[:cut]) + tuple((adapter if p < prompt_length else past, token)
+                                       for p, token in enumerate(tokens[cut:], cut))
 
 
 class _Node:

@@ -152,7 +152,7 @@ def test_tile_plan_groups_rows_by_slot_with_little_padding():
     assert sorted(plan.rows.tolist()) == with_adapter  # the rows without an adapter are not gathered
     real = plan.real_positions()
     assert sorted(plan.gather[real].tolist()) == with_adapter
-    trailing = plan.untile.numel() and (plan.tile_slots.numel() - 1) * plan.tile_rows
+    trailing = (plan.tile_slots.numel() - 1) * plan.tile_rows  # the first position of the trailing tile
     for row, slot in enumerate(indices.tolist()):  # every row reads back a position of its own slot's tile
         if slot >= 0:
             assert plan.tile_slots[plan.untile[row] // plan.tile_rows] == slot and plan.gather[plan.untile[row]] == row
