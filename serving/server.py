@@ -142,7 +142,7 @@ def scheduler_spec(args) -> dict:
                              ("--feather-max-wait-s", args.feather_max_wait_s, "> 0"),
                              ("--max-chunk", args.max_chunk, "> 0"), ("--min-chunk", args.min_chunk, "> 0")):
         if value is not None and not (math.isfinite(value) and (value > 0 if low == "> 0" else value >= 0)):
-            raise ExportError(f"{flag} must be a finite number {low}, got {value}")
+            raise ExportError(f"{flag} must be {low} and finite, got {value}")
     spec = {"name": args.scheduler, "max_chunk": args.max_chunk}
     if args.tpot_ms is not None:
         spec["tpot_ms"] = args.tpot_ms

@@ -224,6 +224,6 @@ def test_preft_serve_checks_its_scheduler_flags_before_anything_starts(tmp_path,
                            (["--scheduler", "feather", "--", "--no-enable-prefix-caching"], "needs prefix caching"),
                            (["--", "--async-scheduling"], "--async-scheduling cannot run with PreFT's scheduler"),
                            (["--tpot-ms", "40"], "SLOWeave's")):
-        assert main(["serve", *flags, "--port", "1"]) == 2
+        assert main(["serve", "--port", "1", *flags]) == 2  # (after --, --port would be vLLM's: refused)
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err

@@ -130,8 +130,8 @@ def make_policy(name: str, *, cost_model=None, tpot_s: float | None = None, max_
             return wavepp
         return DeadlineAndWaves(make_policy("sloweave", cost_model=cost_model, tpot_s=tpot_s, max_chunk=max_chunk,
                                             margin_s=margin_s), wavepp)
-    raise ValueError(f"unknown prefill chunk policy {name!r} (choose from default, fixed:TOKENS, sloweave, wavepp, "
-                     "sloweave+wavepp; cycle:TOKENS,TOKENS,... for profiling)")
+    raise ValueError(f"unknown scheduler {name!r} as a prefill chunk policy (choose from default, fixed:TOKENS, "
+                     "sloweave, wavepp, sloweave+wavepp; cycle:TOKENS,TOKENS,... for profiling)")
 
 
 SPEC_KEYS = {"name", "tpot_ms", "cost_model", "max_chunk", "margin_ms", "feather_state", "feather_max_wait_s",

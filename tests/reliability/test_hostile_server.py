@@ -341,10 +341,10 @@ def test_a_prompt_that_fills_the_context_is_a_clear_400(server, reference):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--scheduler", "sloweave", "--tpot-ms", "nan", "--cost-model", "x.json"], "--tpot-ms must be a finite number > 0"),
-    (["--scheduler", "sloweave", "--tpot-ms", "-5", "--cost-model", "x.json"], "--tpot-ms must be a finite number > 0"),
-    (["--scheduler", "feather", "--feather-max-wait-s", "nan"], "--feather-max-wait-s must be a finite number > 0"),
-    (["--scheduler", "fixed:64", "--margin-ms", "inf"], "--margin-ms must be a finite number >= 0"),
+    (["--scheduler", "sloweave", "--tpot-ms", "nan", "--cost-model", "x.json"], "--tpot-ms must be > 0 and finite"),
+    (["--scheduler", "sloweave", "--tpot-ms", "-5", "--cost-model", "x.json"], "--tpot-ms must be > 0 and finite"),
+    (["--scheduler", "feather", "--feather-max-wait-s", "nan"], "--feather-max-wait-s must be > 0 and finite"),
+    (["--scheduler", "fixed:64", "--margin-ms", "inf"], "--margin-ms must be >= 0 and finite"),
     (["--scheduler", "feather", "--feather-state", "/proc/feather.json"], "its directory is not writable"),
     (["--scheduler", "bogus"], "unknown scheduler 'bogus': expected a prefill chunk policy (default, fixed:TOKENS"),
     (["--scheduler", "feather+unknown"], "unknown scheduler 'feather+unknown' (its part 'unknown')"),
