@@ -189,7 +189,7 @@ def reft_edit(hidden: torch.Tensor, residual: torch.Tensor, plan: TilePlan, weig
         both = torch.bmm(stream, tile_weights.transpose(1, 2))                          # [tiles, T, 2r]
         tile_sign = sign.index_select(0, plan.tile_slots)[:, None, None]
         edit = both[..., :r] + bias.index_select(0, plan.tile_slots)[:, None, :] - tile_sign * both[..., r:]
-        delta = plan.back_to_rows(torch.bmm(edit, tile_weights[:, r:]))      # [active, d]
+        delta = plan.back_to_rows(torch.bmm(edit, tile_weights[:, r:]))      # [rows, d], zeros without a slot
     plan.add_into_rows(hidden[:rows], delta.to(hidden.dtype))  # in place: inference only
     return hidden
 
