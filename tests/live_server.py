@@ -26,6 +26,7 @@ NEW_TOKENS = 6
 API_KEY = "test-key-7f3a"  # the server runs behind vLLM's --api-key
 ADAPTERS = [f"user{i}" for i in range(8)]
 REFT_ADAPTERS = ["reft0", "reft1"]  # reft1 is loaded at run time
+MAX_MODEL_LEN = 512  # room for a conversation whose turn 1 decodes past a 128-token KV block
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 =", "the quiet", "sort 8 2 1 9 =", "a=7 b=2 ; b ="]
 
 
@@ -68,7 +69,7 @@ def reference(adapters, base_path, tokenizer):
 def server(adapters, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     # user7 is not given at start: the tests load it at run time
-    args = ["--max-adapters", "4", "--max-model-len", "128", "--max-rank", "8", "--dtype", "float32",
+    args = ["--max-adapters", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-rank", "8", "--dtype", "float32",
             "--allow-runtime-loading", "--adapter-root", str(adapters)]
     for name in [*ADAPTERS[:-1], "reft0"]:
         args += ["--adapter", f"{name}={adapters / (name + '.bundle')}"]

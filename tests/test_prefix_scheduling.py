@@ -354,3 +354,89 @@ def test_keys_past_the_prompt_boundary_differ_from_the_same_tokens_as_prompt():
     tree.activate("turn1")  # running: its sequence is in the tree
     assert tree.match_length(seq2) == 20  # what turn 2 may reuse of turn 1: its prompt, no further
     assert tree.match_length(seq1) == 80
+
+
+def test_a_conversation_workload_grows_each_prompt_by_the_answer_and_a_follow_up():
+    work = workloads.conversation_workload(40, rate=2.0, seed=1, max_model_len=512, users=4)
+    by_id = {spec.request_id: spec for spec in work}
+    assert {spec.adapter for spec in work} == {f"user{i}" for i in range(4)}
+    later = [spec for spec in work if spec.after is not None]
+    assert later and all(spec.turn == by_id[spec.after].turn + 1 and spec.conversation == by_id[spec.after].conversation
+                         for spec in later)
+    for spec in later:
+        previous = by_id[spec.after]
+        assert spec.prompt_tokens > previous.prompt_tokens + previous.output_tokens  # + a follow-up
+    assert all(spec.prompt_tokens + spec.output_tokens < 512 for spec in work)  # every turn fits the context
+    assert {spec.turn for spec in work} >= {1, 2} and max(spec.turn for spec in work) <= 4
+    with pytest.raises(ValueError, match="conversation workload"):
+        workloads.conversation_workload(4, rate=0.0)
+
+
+def test_a_later_turn_reuses_the_answer_blocks_only_when_their_kv_does_not_depend_on_the_boundary():
+    """The simulator's keys of turn 1's decoded blocks (:func:`filled_keys`) against turn 2's
+    prompt keys: the base model and an all-token adapter share them; a prefill-only adapter
+    shares only the blocks wholly inside turn 1's prompt."""
+    from preft.serving.scheduling.prefix_cache import filled_keys
+
+    turn1 = workloads.RequestSpec("c-t1", 0.0, 40, 60, adapter="alice", conversation="c")
+    turn2 = workloads.RequestSpec("c-t2", 0.0, 110, 8, adapter="alice", conversation="c", turn=2, after="c-t1")
+    prefill_only = AdapterRule(prefill_only=True)
+    for rule, shared in ((None, 6), (prefill_only, 2)):  # all-token (adapter-keyed); LoRA-P from position 0
+        cached = workload_keys(turn1, 16, rule) + filled_keys(turn1, 16, rule)
+        assert len(cached) == (40 + 60 - 1) // 16  # prompt blocks and the blocks the decode filled
+        hits = PrefixCache(100, 16)
+        for key in cached:
+            hits.cached[key] = 0
+        assert hits.hit_blocks(workload_keys(turn2, 16, rule)) == shared, rule
+    base1, base2 = (workloads.RequestSpec(s.request_id, 0.0, s.prompt_tokens, s.output_tokens, conversation="c")
+                    for s in (turn1, turn2))
+    assert workload_keys(base2, 16)[:6] == workload_keys(base1, 16) + filled_keys(base1, 16)
+    # another conversation never shares them
+    other = workloads.RequestSpec("d-t2", 0.0, 110, 8, conversation="d", turn=2)
+    assert not set(workload_keys(other, 16)) & set(workload_keys(base2, 16))
+
+
+def test_the_cache_keeps_decoded_blocks_and_evicts_a_request_tail_first():
+    cache = PrefixCache(capacity_blocks=4, block_tokens=16)
+    prompt = [(1, "c", None)]
+    filled = [(2, "c", None), (3, "c", None)]
+    assert cache.admit(prompt, prompt_tokens=16, output_tokens=33) == 0 and cache.used() == 4
+    cache.finish(prompt, 16, 33, filled)
+    assert cache.used() == 3 and all(key in cache.cached for key in prompt + filled)  # the fourth block freed
+    assert cache.admit([(1, "x", None)], 16, 16) == 0  # needs 2 blocks: 1 free, 1 evicted, the tail one
+    assert (3, "c", None) not in cache.cached and (1, "c", None) in cache.cached and (2, "c", None) in cache.cached
+
+
+def test_the_simulator_sends_a_later_turn_after_the_answer_and_preft_prefills_the_answer_again():
+    cost = StepCostModel.synthetic()
+    work = workloads.conversation_workload(24, rate=4.0, seed=2, max_model_len=512, users=4, think_s=0.2)
+    results = {}
+    for variant, rules in (("base", None), ("preft", {f"user{i}": AdapterRule(prefill_only=True) for i in range(4)}),
+                           ("all-token", {})):
+        specs = [workloads.RequestSpec(**{**s.__dict__, "adapter": None}) for s in work] if variant == "base" else work
+        sim = Simulator(cost, VllmDefault(), max_num_seqs=64, max_num_batched_tokens=2048,
+                        prefix_cache=lambda: PrefixCache(400, 128), adapter_rules=rules or {})
+        results[variant] = sim.run(specs)
+    result = results["preft"]
+    finish = {spec.request_id: timing.finish_s for spec, timing in zip(result.specs, result.timings)}
+    for spec, timing in zip(result.specs, result.timings):
+        if spec.after is not None:  # a closed loop: sent think_s after the answer it follows
+            assert timing.arrival_s == pytest.approx(finish[spec.after] + spec.think_s)
+    assert len(result.timings) == len(work)
+
+    by_id = {spec.request_id: spec for spec in work}
+    for variant, run in results.items():  # a cache that evicts nothing: every turn hits exactly this
+        for spec in run.specs:
+            if spec.after is None:
+                continue
+            previous = by_id[spec.after]
+            # base and all-token reuse every block the previous turn left, its decoded ones too;
+            # PreFT only those wholly inside the previous prompt
+            left = (previous.prompt_tokens + previous.output_tokens - 1) // 128 if variant != "preft" \
+                else previous.prompt_tokens // 128
+            reused = min(left, spec.prompt_tokens // 128) * 128
+            assert run.recomputed_tokens[spec.request_id] == spec.prompt_tokens - min(reused, spec.prompt_tokens - 1)
+    later = [s for s in work if s.turn > 1]
+    extra = sum(results["preft"].recomputed_tokens[s.request_id] - results["base"].recomputed_tokens[s.request_id]
+                for s in later)
+    assert extra > 0  # the answers PreFT prefills again

@@ -9,34 +9,50 @@ block, :func:`workload_keys`); it needs ``ceil((P + output) / B)`` blocks in all
 - it needs ``blocks - hit`` new blocks; unpinned cached blocks are evicted, oldest use first,
   until they fit; if they cannot fit, the request waits (as vLLM's scheduler stops admitting).
 
-Finishing a request unpins its keyed blocks (they stay cached) and frees the rest.
+Finishing a request unpins its keyed blocks (they stay cached), keeps the blocks its decode
+filled (:func:`filled_keys`: vLLM caches those too, which is what a conversation's next turn
+can reuse) and frees the rest.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from preft.rule import AdapterRule
+from preft.rule import ALL_TOKEN, AdapterRule
 
 
-def workload_keys(spec, block_tokens: int, rule: AdapterRule | None = None) -> list[tuple]:
-    """Chunk keys of a workload request (no token ids: its shared prefix is named by its group).
+def workload_keys(spec, block_tokens: int, rule: AdapterRule | None = None, tokens: int | None = None
+                  ) -> list[tuple]:
+    """Chunk keys of the full blocks of a workload request's first ``tokens`` tokens (default: its
+    prompt), without token ids: a block's tokens are named by who owns them.
 
-    Blocks wholly inside the group's shared prefix are keyed by the group; later ones by the
-    request. With an adapter the key gains the adapter from the first block whose KV it changes
-    (``rule.kv_adapter_span``; no rule: every block), so the keys chain as the CHT's do."""
-    keys, adapted = [], False
-    for level in range(1, spec.prompt_tokens // block_tokens + 1):
+    Owner: blocks wholly inside a prefix group's shared prefix belong to the group; a
+    conversation's blocks to the conversation (each turn's prompt is the conversation so far, one
+    stream); the rest to the request, and once a block is the request's own, every later one is
+    (keys chain, as the CHT's do). With an adapter the key carries the positions of the block's
+    prefix that had it, ``rule.kv_adapter_span(end, P)`` (no rule: the all-token one, every
+    position), as the engine's keys do: a block turn 1 filled while decoding (adapter off under
+    a prefill-only rule) is not turn 2's prompt block (adapter on)."""
+    rule = rule or ALL_TOKEN
+    keys = []
+    for level in range(1, (spec.prompt_tokens if tokens is None else tokens) // block_tokens + 1):
         end = level * block_tokens
-        owner = (f"g{spec.prefix_group}" if spec.prefix_group is not None and end <= spec.prefix_tokens
-                 else spec.request_id)
-        if spec.adapter is not None and (rule or AdapterRule()).kv_adapter_span(end, spec.prompt_tokens) is not None:
-            adapted = True  # (the keys cover the prompt's blocks, which end at or before P)
-        # chained: a request-owned block makes every later block the request's own
+        if spec.prefix_group is not None and end <= spec.prefix_tokens:
+            owner = f"g{spec.prefix_group}"
+        else:
+            owner = spec.conversation or spec.request_id
         if keys and keys[-1][1] == spec.request_id:
             owner = spec.request_id
-        keys.append((level, owner, spec.adapter if adapted else None))
+        span = rule.kv_adapter_span(end, spec.prompt_tokens) if spec.adapter is not None else None
+        keys.append((level, owner, None if span is None else (spec.adapter, span)))
     return keys
+
+
+def filled_keys(spec, block_tokens: int, rule: AdapterRule | None = None) -> list[tuple]:
+    """Keys of the blocks a request fills while decoding, which vLLM caches too: its prompt and
+    ``output - 1`` generated tokens have KV (the last sampled token's is never computed)."""
+    prompt_blocks = spec.prompt_tokens // block_tokens
+    return workload_keys(spec, block_tokens, rule, spec.prompt_tokens + spec.output_tokens - 1)[prompt_blocks:]
 
 
 class PrefixCache:
@@ -82,8 +98,14 @@ class PrefixCache:
         self.hits += hit
         return min(hit * self.block_tokens, prompt_tokens - 1)
 
-    def finish(self, keys: list[tuple], prompt_tokens: int, output_tokens: int) -> None:
+    def finish(self, keys: list[tuple], prompt_tokens: int, output_tokens: int, filled: list[tuple] = ()) -> None:
+        """Unpin the prompt's blocks and free the rest, keeping ``filled`` (the blocks its decode
+        filled, :func:`filled_keys`) cached. vLLM frees a request's blocks tail first, so its
+        later blocks are evicted before its earlier ones."""
         for key in keys:
             self.cached[key] -= 1
-            self.cached.move_to_end(key)
         self.private -= -(-(prompt_tokens + output_tokens) // self.block_tokens) - len(keys)
+        for key in filled:  # freed blocks that stay cached, unpinned
+            self.cached.setdefault(key, 0)
+        for key in reversed([*keys, *filled]):
+            self.cached.move_to_end(key)

@@ -14,6 +14,9 @@ The engine it models is vLLM's continuous batching, step by step:
    step is decided ``gap_s`` later (the engine's measured time between a step's output and the
    next schedule, which the engine's SLOWeave also sees as time already gone).
 
+A conversation's follow-up turn (``RequestSpec.after``) arrives ``think_s`` after the turn it
+follows finishes (a closed loop, as a user waits for the answer before asking again).
+
 Between steps nothing happens, so the clock jumps from step to step (and to the next arrival
 when the engine is idle): 10k requests simulate in seconds. Not modelled: preemption, and KV
 capacity unless a prefix cache is given.
@@ -35,8 +38,8 @@ the simulator carries the effect exactly as far as it was measured.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+import heapq
+from dataclasses import dataclass, field, replace
 
 from preft.serving.scheduling.chunk_policies import StepView
 from preft.serving.scheduling.cost_model import StepCostModel
@@ -63,6 +66,9 @@ class SimulationResult:
     steps: int
     clock_s: float
     step_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # (n, c, x) per step, when recorded
+    specs: list[RequestSpec] = field(default_factory=list)  # the request of each timing (a follow-up turn
+    # with the arrival it was given)
+    recomputed_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens it prefilled
 
     def summary(self, ttft_s: float, tpot_s: float) -> dict:
         from preft.serving.scheduling.metrics import summarize
@@ -91,14 +97,23 @@ class Simulator:
 
     def run(self, workload: list[RequestSpec]) -> SimulationResult:
         from preft.serving.scheduling.admission import FirstComeFirstServed
-        from preft.serving.scheduling.prefix_cache import workload_keys
+        from preft.serving.scheduling.prefix_cache import filled_keys, workload_keys
 
         cache = self.prefix_cache_factory() if self.prefix_cache_factory else None
         admission = self.admission_factory(cache) if self.admission_factory else FirstComeFirstServed()
         block = cache.block_tokens if cache else 16
         keys: dict[str, list] = {}
         specs: dict[str, RequestSpec] = {}
-        arrivals = deque(sorted(workload, key=lambda r: r.arrival_s))
+        # follow-up turns wait for the turn they follow; the rest arrive when the workload says
+        follow_ups: dict[str, list[RequestSpec]] = {}
+        for spec in workload:
+            if spec.after is not None:
+                follow_ups.setdefault(spec.after, []).append(spec)
+        arrivals = [(spec.arrival_s, index, spec) for index, spec in enumerate(workload) if spec.after is None]
+        heapq.heapify(arrivals)
+        released = len(workload)  # tie-breaker of released follow-ups
+        finished_specs: list[RequestSpec] = []
+        recomputed: dict[str, int] = {}
         waiting = admission  # the waiting requests live in the admission order
         running: list[_Running] = []
         timings: list[RequestTiming] = []
@@ -106,14 +121,14 @@ class Simulator:
         now, steps = 0.0, 0
         waiting_tokens = 0  # prompt tokens of the waiting queue, kept as it changes (no rescan per step)
         while arrivals or waiting or running:
-            while arrivals and arrivals[0].arrival_s <= now:
-                spec = arrivals.popleft()
+            while arrivals and arrivals[0][0] <= now:
+                spec = heapq.heappop(arrivals)[2]
                 specs[spec.request_id] = spec
                 keys[spec.request_id] = workload_keys(spec, block, self.adapter_rules.get(spec.adapter))
                 admission.arrive(spec.request_id, keys[spec.request_id], spec.arrival_s)
                 waiting_tokens += spec.prompt_tokens
             if not len(waiting) and not running:
-                now = arrivals[0].arrival_s
+                now = arrivals[0][0]
                 continue
             decodes = [r for r in running if not r.prefilling]
             pending = [r for r in running if r.prefilling]
@@ -153,6 +168,7 @@ class Simulator:
                         break
                 admission.take(request_id)
                 request = _Running(spec, computed=computed)
+                recomputed[request_id] = spec.prompt_tokens - computed
                 waiting_tokens -= spec.prompt_tokens
                 running.append(request)
                 chunk = min(spec.prompt_tokens - computed, token_budget, prefill_budget)
@@ -188,12 +204,19 @@ class Simulator:
             for request in running:
                 if request.generated >= request.spec.output_tokens:
                     admission.finish(request.spec.request_id)
+                    spec = request.spec
                     if cache is not None:
-                        cache.finish(keys[request.spec.request_id], request.spec.prompt_tokens,
-                                     request.spec.output_tokens)
-                    timings.append(RequestTiming(request.spec.arrival_s, request.first_token_s, end,
-                                                 request.generated))
+                        cache.finish(keys[spec.request_id], spec.prompt_tokens, spec.output_tokens,
+                                     filled_keys(spec, block, self.adapter_rules.get(spec.adapter)))
+                    timings.append(RequestTiming(spec.arrival_s, request.first_token_s, end, request.generated))
+                    finished_specs.append(spec)
+                    for follow_up in follow_ups.pop(spec.request_id, []):
+                        released += 1
+                        heapq.heappush(arrivals, (end + follow_up.think_s, released,
+                                                  replace(follow_up, arrival_s=end + follow_up.think_s)))
                 else:
                     still.append(request)
             running = still
-        return SimulationResult(timings, steps, now, shapes)
+        if follow_ups:  # they wait on a request the workload does not have
+            raise ValueError(f"follow-up turns after requests not in the workload: {sorted(follow_ups)[:3]}")
+        return SimulationResult(timings, steps, now, shapes, finished_specs, recomputed)

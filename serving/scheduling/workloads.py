@@ -12,6 +12,10 @@ Kinds (lengths scaled to the model's context ``max_model_len``; prompt + output 
 - ``mixed``: 70% chat, 30% long; Poisson arrivals.
 - ``bursty``: the mixed lengths, arrivals on/off: Poisson at 3x the rate during "on" periods
   (a third of the time), nothing in between, so the mean rate is the same.
+
+Shared prefixes: :func:`prefix_workload` (prefix groups, per-user adapters after one system
+prompt) and :func:`conversation_workload` (multi-turn chats, each turn sent when the previous
+one is answered).
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ class RequestSpec:
     adapter: str | None = None
     prefix_group: int | None = None  # requests of one group share their first prefix_tokens tokens
     prefix_tokens: int = 0
+    # a conversation's turns: every turn's prompt is the conversation so far (the previous turn's
+    # prompt, its answer, a follow-up), so one conversation's tokens are one stream. A turn with
+    # ``after`` arrives ``think_s`` after that turn finishes (its ``arrival_s`` is then ignored).
+    conversation: str | None = None
+    turn: int = 1
+    after: str | None = None
+    think_s: float = 0.0
 
 
 def _lengths(kind: str, rng: random.Random, max_model_len: int) -> tuple[int, int]:
@@ -163,3 +174,36 @@ def prefix_workload(variant: str, count: int, rate: float, groups: int = 10, see
         requests.append(RequestSpec(f"{variant}-{seed}-{index}", round(arrival, 6), prompt, output, adapter=adapter,
                                     prefix_group=group if shared else None, prefix_tokens=prefix if shared else 0))
     return requests
+
+
+def conversation_workload(count: int, rate: float, seed: int = 0, max_model_len: int = 512, users: int = 8,
+                          turns: tuple[int, int] = (2, 4), think_s: float = 0.5) -> list[RequestSpec]:
+    """``count`` conversations of ``turns`` turns (at most what fits the context), the first turns
+    arriving Poisson at ``rate``; conversation ``i`` is user ``i % users``'s, on adapter
+    ``user{i % users}``. Turn 1: a prompt of 10-25% of the context; each answer 5-15%; each
+    follow-up 3-8%. Turn ``k + 1``'s prompt is turn ``k``'s prompt + its answer + the follow-up
+    (``prompt_tokens`` grows by ``output_tokens + follow-up``), sent ``think_s`` (exponential,
+    that mean) after turn ``k`` finishes."""
+    if count < 1 or rate <= 0 or users < 1 or not 1 <= turns[0] <= turns[1] or think_s < 0:
+        raise ValueError("a conversation workload needs count >= 1, rate > 0, users >= 1, "
+                         "1 <= min turns <= max turns, think_s >= 0")
+    rng = random.Random(f"conversations-{seed}")
+
+    def share(low: int, high: int) -> int:
+        return rng.randint(max(1, max_model_len * low // 100), max(1, max_model_len * high // 100))
+
+    requests = []
+    for index, arrival in enumerate(_arrivals("poisson", rng, count, rate)):
+        conversation, previous = f"conv-{seed}-{index}", None
+        prompt, wanted = share(10, 25), rng.randint(*turns)
+        for turn in range(1, wanted + 1):
+            output = share(5, 15)
+            if prompt + output >= max_model_len:  # the conversation no longer fits the context: it ends
+                break
+            request_id = f"{conversation}-t{turn}"
+            requests.append(RequestSpec(request_id, round(arrival, 6), prompt, output, adapter=f"user{index % users}",
+                                        conversation=conversation, turn=turn, after=previous,
+                                        think_s=round(rng.expovariate(1 / think_s), 6) if previous and think_s else 0.0))
+            previous, prompt = request_id, prompt + output + share(3, 8)
+    return requests
+

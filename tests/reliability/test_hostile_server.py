@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from live_server import PROMPTS, client, complete, post
+from live_server import MAX_MODEL_LEN, PROMPTS, client, complete, post
 
 @pytest.mark.slow
 def test_bad_requests_are_refused_and_the_server_keeps_serving(server, reference):
@@ -333,10 +333,11 @@ def test_a_non_object_vllm_xargs_is_a_clean_400_that_keeps_the_connection(server
 def test_a_prompt_that_fills_the_context_is_a_clear_400(server, reference):
     """Before: a prompt of exactly --max-model-len tokens with max_tokens=1 got "max_tokens must
     be at least 1, got 0"; one token longer got the context message."""
-    for length, message in ((128, "leaves no room for an output token"), (129, "maximum context length is 128 tokens")):
+    for length, message in ((MAX_MODEL_LEN, "leaves no room for an output token"),
+                            (MAX_MODEL_LEN + 1, f"maximum context length is {MAX_MODEL_LEN} tokens")):
         with pytest.raises(openai.BadRequestError, match=message):
             client(server).completions.create(model="user0", prompt=[5] * length, max_tokens=1)
-    one_short = client(server).completions.create(model="user0", prompt=[5] * 127, max_tokens=1)
+    one_short = client(server).completions.create(model="user0", prompt=[5] * (MAX_MODEL_LEN - 1), max_tokens=1)
     assert one_short.usage.completion_tokens == 1  # a prompt one token shorter is answered
     assert complete(server, "user1", PROMPTS[0]) == reference[("user1", PROMPTS[0])]
 

@@ -70,8 +70,10 @@ def _request(name, bundles, ids):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
+    # 8 KV blocks: one conversation at a time fits with room to keep its turn-1 blocks; six at once
+    # preempt (test_conversations_keep_the_rule_through_preemption)
     settings = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_model_len": 512,
-                "disable_log_stats": False}
+                "num_gpu_blocks_override": 8, "disable_log_stats": False}
     with EngineProcess(preft.DEFAULT_BASE_MODEL, settings, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                        log_path=tmp_path_factory.mktemp("conversation_engine") / "engine.log") as driver:
         yield driver
@@ -118,6 +120,28 @@ def test_turn_two_keeps_the_rule_under_prefix_aware_admission(conversation_setup
             assert twice == [expected, expected], (name, scheduler)
     finally:
         engine.set_scheduler({})
+
+
+@pytest.mark.slow
+def test_conversations_keep_the_rule_through_preemption(conversation_setup, tokenizer, engine):
+    """Six conversations at once in 8 KV blocks: turn 1 (prompts + 200 decoded tokens, 2 blocks
+    each) and turn 2 (about 230-token prompts decoding 40 tokens into a third block) both
+    preempt, so requests are recomputed from their prompt and generated tokens and their blocks
+    are cached again on the way; every turn still equals HF."""
+    turn2_tokens = 40
+    root, models, bundles = conversation_setup
+    names = ["lora_p", "lora_p_start", "reft_p", "all_token", None, "lora_p"]
+    turn1 = [tokenizer(f"reverse {i} 3 1 4 1 5 9 2 6 =")["input_ids"] for i in range(len(names))]
+    before = engine.metrics()["preemptions"]
+    answers = engine.generate([_request(n, bundles, ids) for n, ids in zip(names, turn1)], TURN1_TOKENS)["tokens"]
+    middle = engine.metrics()["preemptions"]
+    follow_up = tokenizer(FOLLOW_UP, add_special_tokens=False)["input_ids"]
+    turn2 = [ids + answer + follow_up for ids, answer in zip(turn1, answers)]
+    second = engine.generate([_request(n, bundles, ids) for n, ids in zip(names, turn2)], turn2_tokens)["tokens"]
+    assert middle > before and engine.metrics()["preemptions"] > middle, "both turns were expected to preempt"
+    for name, ids, answer, ids2, got in zip(names, turn1, answers, turn2, second):
+        assert answer == greedy_ids(models[name], ids, TURN1_TOKENS), (name, "turn 1")
+        assert got == greedy_ids(models[name], ids2, turn2_tokens), (name, "turn 2")
 
 
 @torch.no_grad()
