@@ -99,3 +99,29 @@ def test_a_chat_with_history_equals_the_rule(server, adapters, base_path, tokeni
     assert answer2 == greedy(model, turn2, TURN2_TOKENS), name
     # the base model reuses the decoded block; a prefill-only adapter only what lies inside turn 1's prompt
     assert hits == BLOCK * (decoded_blocks if name == "base" else len(turn1) // BLOCK), (name, hits)
+
+
+@pytest.mark.slow
+def test_the_conversation_benchmark_client_plays_each_turn_on_the_previous_answer(server, tokenizer):
+    """``preft eval prefix --parts conversations``'s closed-loop client on the live server: a
+    later turn is sent after the previous answer, its prompt that turn's prompt + the answer's
+    token ids as served + a follow-up of the workload's length."""
+    import asyncio
+
+    from preft.eval.prefix_conversations import play
+    from preft.serving.scheduling.workloads import conversation_workload
+
+    work = [spec for spec in conversation_workload(3, rate=20.0, seed=5, max_model_len=300, users=2, turns=(2, 2),
+                                                   think_s=0.05)]
+    turns = asyncio.run(play(server["url"], API_KEY, work, lambda spec: f"user{spec.adapter[-1]}", len(tokenizer)))
+    assert sorted(t["spec"].request_id for t in turns) == sorted(spec.request_id for spec in work)
+    by_id = {t["spec"].request_id: t for t in turns}
+    for turn in turns:
+        spec = turn["spec"]
+        assert len(turn["prompt"]) == spec.prompt_tokens and len(turn["answer"]) == spec.output_tokens
+        assert 0 < turn["ttft_s"] <= turn["finish_s"] - turn["arrival_s"]
+        if spec.after is not None:
+            previous = by_id[spec.after]
+            assert turn["prompt"][: len(previous["prompt"]) + len(previous["answer"])] == \
+                previous["prompt"] + previous["answer"]
+            assert turn["arrival_s"] >= previous["finish_s"]  # closed loop
