@@ -51,6 +51,15 @@ def hf_greedy(model, tokenizer, prompt: str, new_tokens: int) -> list[int]:
     return out[0, batch["input_ids"].shape[1]:].tolist()
 
 
+@torch.no_grad()
+def greedy_ids(model, ids: list[int], new_tokens: int) -> list[int]:
+    """:func:`hf_greedy` on token ids (a prompt built from another turn's tokens)."""
+    batch = torch.tensor([ids])
+    out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
 def strengthen_reft(model):
     """Random ReFT inits are mild; scale the source weights so the edit shows in greedy tokens."""
     with torch.no_grad():

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from conftest import ADAPTER_CONFIGS
 from preft.cli import main as cli_main
-from preft.export import export_adapter, read_manifest
+from preft.bundle import read_manifest
+from preft.export import export_adapter
 
 
 def test_export_lora_p_bundle_loads_as_plain_lora(saved_adapter, base_path, tmp_path):

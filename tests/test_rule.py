@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from preft.context import PrefillContext
-from preft.rule import ALL_TOKEN, AdapterRule, active_scheduled_tokens, bundle_rule, is_active
+from preft.bundle import bundle_rule
+from preft.rule import ALL_TOKEN, AdapterRule, active_scheduled_tokens, is_active
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ def test_hf_context_and_engine_tokens_use_the_same_rule():
 
 
 def test_bundle_rule_reads_the_manifest_once_and_all_token_covers_every_kind(tmp_path, monkeypatch):
-    from preft.export import BUNDLE_FORMAT, MANIFEST
+    from preft.bundle import BUNDLE_FORMAT, MANIFEST
 
     for kind in ("lora", "reft"):
         bundle = tmp_path / kind
@@ -78,7 +79,7 @@ def test_bundle_rule_reads_the_manifest_once_and_all_token_covers_every_kind(tmp
 
 
 def test_prefix_keys_drop_the_adapter_only_before_its_start(tmp_path):
-    from preft.export import BUNDLE_FORMAT, MANIFEST
+    from preft.bundle import BUNDLE_FORMAT, MANIFEST
     from preft.serving.engine_core import block_extra_keys
 
     for name, start in (("lora", 4), ("reft", 2)):
@@ -100,7 +101,7 @@ def test_prefix_keys_carry_the_prompt_boundary(tmp_path):
     """A block one request filled past its prompt (adapter off there) keys apart from the same
     tokens as prompt (adapter on): turn 1's decoded block is not turn 2's prompt block. Before,
     both keyed ("lora", 1) and vLLM reused turn 1's KV for turn 2."""
-    from preft.export import BUNDLE_FORMAT, MANIFEST
+    from preft.bundle import BUNDLE_FORMAT, MANIFEST
     from preft.serving.engine_core import block_extra_keys
 
     (tmp_path / "lora").mkdir()
@@ -148,7 +149,7 @@ def test_serve_all_token_reaches_every_process_and_the_scheduler_is_preft(tmp_pa
 
 def test_the_rule_and_the_manifest_name_live_in_one_module_each():
     """``adapter_start <= p < P`` is written once (preft/rule.py); the manifest's file name once
-    (preft/export.py). Every other module calls them."""
+    (preft/bundle.py). Every other module calls them."""
     sources = [p for d in ("preft", "serving", "kernels", "eval", "recipes") for p in (REPO / d).rglob("*.py")]
     comparison = re.compile(r">=\s*[\w.\[\]]*start\b.*&.*<\s*[\w.\[\]]*prompt")
     with_rule = [p.relative_to(REPO) for p in sources
@@ -156,4 +157,4 @@ def test_the_rule_and_the_manifest_name_live_in_one_module_each():
                         if not line.lstrip().startswith(("#", ">>>", "``", "-", "*")))]
     assert with_rule == [Path("preft/rule.py")]
     assert [p.relative_to(REPO) for p in sources if '"preft_manifest.json"' in p.read_text()] == [
-        Path("preft/export.py")]
+        Path("preft/bundle.py")]

