@@ -10,6 +10,8 @@ LoRA mapping (``preft.serving.lora_mapping``), the ReFT-P rows (``preft.serving.
 prefix-cache keys (``preft.serving.engine_core``) and the scheduler's adapter slots
 (``preft.serving.scheduler``). It keys on *position*, never on "this step is a prefill", so
 chunked prefill, prefix-cache hits and recompute after preemption all agree with training.
+A bundle's rule is read from its manifest by :func:`preft.bundle.bundle_rule`. This module
+depends on numpy alone.
 
 >>> import numpy as np
 >>> is_active(np.arange(6), prompt_length=4, adapter_start=1).tolist()
@@ -22,9 +24,7 @@ False
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -107,27 +107,3 @@ def active_scheduled_tokens(prefill_only: np.ndarray, adapter_start: np.ndarray,
     return (request_of_token, active(position, request_of_token),
             active(last_position, np.arange(len(num_scheduled_tokens))))
 
-
-@functools.lru_cache(maxsize=4096)
-def bundle_rule(bundle_dir: str | Path) -> AdapterRule:
-    """The rule of the bundle at ``bundle_dir``, read once from its manifest (``read_manifest``
-    checks it). A directory without a manifest is a plain LoRA: every token, as stock vLLM
-    does. ``PREFT_ALL_TOKEN=1`` (``preft serve --all-token``) makes every bundle all-token,
-    LoRA and ReFT alike: the standard multi-adapter baseline.
-
-    Cached per bundle for the life of the process (the engine asks for it per request per
-    step, and a server's environment and bundle copies do not change): ``bundle_rule.cache_clear()``
-    after changing either in-process. A copy in ``preft serve``'s store without its manifest is
-    an error (``ExportError``), never all-token; errors are not cached."""
-    from preft import envs
-    from preft.export import ExportError, has_manifest, read_manifest  # preft.export imports the tuners
-
-    if not has_manifest(bundle_dir):
-        store = envs.PREFT_SERVE_STORE
-        if store and Path(bundle_dir).resolve().is_relative_to(Path(store).resolve()):
-            # a copy in preft serve's store always has one: guessing "all-token" would serve wrong answers
-            raise ExportError(f"{bundle_dir}: the server's copy of this bundle lost its manifest")
-        return ALL_TOKEN  # a plain vLLM LoRA directory
-    if envs.PREFT_ALL_TOKEN:
-        return ALL_TOKEN
-    return AdapterRule.from_manifest(read_manifest(bundle_dir))

@@ -23,7 +23,7 @@ import weakref
 from http import HTTPStatus
 
 from preft import envs
-from preft.export import ExportError
+from preft.bundle import BundleError
 from preft.serving import reft_routing
 from preft.serving.patching import require, wrap
 
@@ -54,7 +54,7 @@ def patch_load_checks() -> None:
             return None
         try:
             copy, manifest = reft_routing.add_runtime_bundle(name, request.lora_path)
-        except ExportError as err:
+        except BundleError as err:
             return refuse(str(err))
         if manifest["kind"] != "lora":
             return refuse(f"adapter {name!r} is a {manifest['kind']} bundle, not a LoRA bundle")

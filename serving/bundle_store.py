@@ -2,9 +2,9 @@
 
 ``preft serve`` never serves a bundle from the user's directory. When an adapter is given at
 start-up or loaded at run time, :meth:`BundleStore.add` copies the bundle's files into a
-temporary directory inside the store, checks that copy (:func:`check_bundle`: manifest, kind,
-rank, base model, complete and finite weights), and renames it to ``STORE/<sha256 of its
-files>``. The engine reads only that copy, so a bundle that is later deleted, moved or
+temporary directory inside the store, checks that copy (:func:`check_bundle`: manifest and its
+rule, kind, rank, base model, complete and finite weights, by :mod:`preft.bundle`'s checks), and
+renames it to ``STORE/<sha256 of its files>``. The engine reads only that copy, so a bundle that is later deleted, moved or
 re-exported in place cannot change or crash what is served, and a re-exported bundle loaded
 again is a new directory with its new weights (never a stale cache hit).
 
@@ -29,32 +29,28 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from preft.export import (MANIFEST, ExportError, base_fingerprint, check_finite, check_lora, has_manifest,
-                          load_tensors, read_json, read_manifest)
 from preft import envs
-from preft.rule import bundle_rule
-
-#: the files of a bundle, by kind (``preft export`` writes exactly these)
-BUNDLE_FILES = {"lora": ("adapter_config.json", "adapter_model.safetensors"), "reft": ("reft_weights.safetensors",)}
+from preft.bundle import (BUNDLE_FILES, MANIFEST, BundleError, base_fingerprint, bundle_rule, check_finite,
+                          check_lora, check_reft, has_manifest, load_tensors, read_json, read_manifest)
 
 
 def check_bundle(name: str, path: str | Path, base: dict, max_rank: int) -> dict:
-    """Refuse a bundle that this server cannot serve (``base``: :func:`preft.export.base_fingerprint`
+    """Refuse a bundle that this server cannot serve (``base``: :func:`preft.bundle.base_fingerprint`
     of the served model); returns its manifest."""
     if not Path(path).is_dir():
-        raise ExportError(f"adapter {name!r}: bundle directory not found: {path}")
+        raise BundleError(f"adapter {name!r}: bundle directory not found: {path}")
     manifest = read_manifest(path)
     if manifest.get("kind") not in BUNDLE_FILES:
-        raise ExportError(f"adapter {name!r}: unknown bundle kind {manifest.get('kind')!r}")
+        raise BundleError(f"adapter {name!r}: unknown bundle kind {manifest.get('kind')!r}")
     rank = manifest.get("rank")
     if not isinstance(rank, int) or rank <= 0:
-        raise ExportError(f"adapter {name!r}: the manifest's rank {rank!r} is not a positive integer")
+        raise BundleError(f"adapter {name!r}: the manifest's rank {rank!r} is not a positive integer")
     if rank > max_rank:
-        raise ExportError(f"adapter {name!r}: rank {rank} is over --max-rank {max_rank}")
+        raise BundleError(f"adapter {name!r}: rank {rank} is over --max-rank {max_rank}")
     recorded = manifest.get("base") if isinstance(manifest.get("base"), dict) else {}
     for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
         if recorded.get(key) != base.get(key):
-            raise ExportError(
+            raise BundleError(
                 f"adapter {name!r} was exported for another base model: {key} is {recorded.get(key)} "
                 f"in the bundle, {base.get(key)} in the served model"
             )
@@ -62,32 +58,15 @@ def check_bundle(name: str, path: str | Path, base: dict, max_rank: int) -> dict
         tensors = load_tensors(Path(path) / "adapter_model.safetensors")
         config = read_json(Path(path) / "adapter_config.json", "adapter config")
         if not isinstance(config, dict) or check_lora(tensors, config, base, max_rank) != rank:
-            raise ExportError(f"adapter {name!r}: adapter_config.json does not match the manifest's rank {rank}")
+            raise BundleError(f"adapter {name!r}: adapter_config.json does not match the manifest's rank {rank}")
     else:
         tensors = load_tensors(Path(path) / "reft_weights.safetensors")
-        _check_reft(name, manifest, tensors, base)
+        try:
+            check_reft(manifest, tensors, base, max_rank)
+        except BundleError as err:
+            raise BundleError(f"adapter {name!r}: {err}") from None
     check_finite(tensors)
     return manifest
-
-
-def _check_reft(name: str, manifest: dict, tensors: dict, base: dict) -> None:
-    """A ReFT-P bundle's manifest and weights agree: every listed layer exists in the base and has
-    its three tensors, of shapes (rank, hidden), (rank, hidden), (rank)."""
-    if manifest.get("intervention") not in ("loreft", "direft"):
-        raise ExportError(f"adapter {name!r}: unknown intervention {manifest.get('intervention')!r}")
-    layers, rank, hidden = manifest.get("layers"), manifest["rank"], base["hidden_size"]
-    if not isinstance(layers, list) or not layers or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < base["num_hidden_layers"] for i in layers):
-        raise ExportError(f"adapter {name!r}: the manifest's layers {layers!r} are not layers of the base")
-    shapes = {"proj": (rank, hidden), "source_weight": (rank, hidden), "source_bias": (rank,)}
-    expected = {f"layers.{i}.{part}": shape for i in layers for part, shape in shapes.items()}
-    if set(tensors) != set(expected):
-        raise ExportError(f"adapter {name!r}: reft_weights.safetensors does not hold the manifest's layers "
-                          f"(missing {sorted(set(expected) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(expected))[:3]})")
-    wrong = [key for key, shape in expected.items() if tuple(tensors[key].shape) != shape]
-    if wrong:
-        raise ExportError(f"adapter {name!r}: {wrong[0]} has shape {tuple(tensors[wrong[0]].shape)}, "
-                          f"expected {expected[wrong[0]]}")
 
 
 #: a store copy's directory name: the sha256 of its files
@@ -141,7 +120,7 @@ def resolve_under_root(path: str, root: Path) -> Path:
     neither the path nor whether it exists."""
     resolved = Path(path).resolve()
     if not resolved.is_relative_to(root.resolve()):
-        raise ExportError("lora_path is outside the server's adapter root (preft serve --adapter-root)")
+        raise BundleError("lora_path is outside the server's adapter root (preft serve --adapter-root)")
     return resolved
 
 
@@ -176,19 +155,19 @@ class BundleStore:
         """Copy, check and file the bundle at ``source``; ``(its copy in the store, manifest)``."""
         source = Path(source)
         if not source.is_dir():
-            raise ExportError(f"adapter {name!r}: bundle directory not found: {source}")
+            raise BundleError(f"adapter {name!r}: bundle directory not found: {source}")
         kind = read_manifest(source).get("kind")
         if kind not in BUNDLE_FILES:
-            raise ExportError(f"adapter {name!r}: unknown bundle kind {kind!r}")
+            raise BundleError(f"adapter {name!r}: unknown bundle kind {kind!r}")
         staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=self.root))
         try:
             for file in (MANIFEST, *BUNDLE_FILES[kind]):
                 if not (source / file).is_file():
-                    raise ExportError(f"adapter {name!r}: the bundle has no {file}")
+                    raise BundleError(f"adapter {name!r}: the bundle has no {file}")
                 shutil.copyfile(source / file, staging / file)
             manifest = check_bundle(name, staging, self.base, self.max_rank)  # what is served is what is checked
             if manifest.get("kind") != kind:
-                raise ExportError(f"adapter {name!r}: the bundle changed while it was being read")
+                raise BundleError(f"adapter {name!r}: the bundle changed while it was being read")
             digest = _digest(staging, BUNDLE_FILES[kind])
             target = self.root / digest
             if _intact(target, BUNDLE_FILES[kind], digest):

@@ -16,7 +16,7 @@ key of their own request, shared with nothing. The scheduler is not patched: it 
 from __future__ import annotations
 
 from preft.constants import REFT_EXTRA_ARG
-from preft.rule import bundle_rule
+from preft.bundle import bundle_rule
 from preft.serving.bundle_store import is_store_copy
 from preft.serving.patching import require
 from preft.serving.prompt_end import rule_prompt_length

@@ -42,13 +42,13 @@ def parallel_problem(config: dict, tensor: int, pipeline: int, cores: int | None
 
 
 def check_parallel(base_dir: Path, tensor: int, pipeline: int, on_cpu: bool) -> None:
-    from preft.export import ExportError
+    from preft.bundle import BundleError
 
     config = json.loads((Path(base_dir) / "config.json").read_text())
     cores = len(os.sched_getaffinity(0)) if on_cpu else None
     problem = parallel_problem(config, tensor, pipeline, cores)
     if problem:
-        raise ExportError(problem)
+        raise BundleError(problem)
 
 
 def cpu_thread_binding(workers: int, cores: list[int]) -> str:

@@ -32,8 +32,9 @@ from torch import nn
 
 from preft import envs
 from preft.constants import REFT_EXTRA_ARG
-from preft.export import check_finite, read_manifest
-from preft.rule import active_scheduled_tokens, bundle_rule
+from preft.bundle import check_finite, read_manifest
+from preft.bundle import bundle_rule
+from preft.rule import active_scheduled_tokens
 from preft.serving.bundle_store import NOT_SERVED, intact_store_copy, is_store_copy
 from preft.serving.tile_plan import TilePlan, build_tile_plan
 

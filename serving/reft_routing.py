@@ -33,7 +33,7 @@ from pathlib import Path
 
 from preft import envs
 from preft.constants import REFT_EXTRA_ARG
-from preft.export import ExportError, read_manifest
+from preft.bundle import BundleError, read_manifest
 from preft.serving.bundle_store import BundleStore, resolve_under_root
 from preft.serving.prompt_end import check_prompt_end
 
@@ -68,7 +68,7 @@ def bundle_store() -> BundleStore:
 def add_runtime_bundle(name: str, path: str) -> tuple[Path, dict]:
     """The server's checked copy of the bundle a runtime load names (under the adapter root)."""
     if not isinstance(path, str) or not path:
-        raise ExportError("'lora_path' must be provided")
+        raise BundleError("'lora_path' must be provided")
     return bundle_store().add(name, resolve_under_root(path, Path(envs.PREFT_SERVE_ADAPTER_ROOT)))
 
 
@@ -77,7 +77,7 @@ def _kind_under_root(path) -> str | None:
     wrapped handler then answers, without revealing anything)."""
     try:
         return read_manifest(resolve_under_root(str(path), Path(envs.PREFT_SERVE_ADAPTER_ROOT))).get("kind")
-    except (ExportError, OSError, TypeError, ValueError):
+    except (BundleError, OSError, TypeError, ValueError):
         return None
 
 
@@ -205,7 +205,7 @@ class ReftRoutingMiddleware:
                 f"The adapter '{name}' has already been loaded. To replace it, set 'load_inplace' to true.", 400))
         try:
             copy, _ = add_runtime_bundle(name, data.get("lora_path"))
-        except ExportError as err:
+        except BundleError as err:
             return await _respond(send, 400, _error(str(err), 400))
         REFT_ADAPTERS[name] = str(copy)
         if SERVING_MODELS is not None:

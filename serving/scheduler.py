@@ -52,7 +52,7 @@ from vllm.v1.request import RequestStatus
 
 from preft import envs
 from preft.constants import FAILED_REQUESTS_ATTR
-from preft.rule import bundle_rule
+from preft.bundle import bundle_rule
 from preft.serving.bundle_store import served_copy_problem
 from preft.serving.patching import require
 from preft.serving.prompt_end import rule_prompt_length

@@ -26,7 +26,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from preft.export import ExportError
 from preft.serving import SCHEDULER_CLS
 from preft.serving.bundle_store import BundleStore
 from preft.serving.scheduling.admission import SCHEDULER_CHOICES, split_scheduler_name
@@ -42,7 +41,7 @@ def vllm_lora_rank(max_rank: int) -> int:
     allowed = sorted(typing.get_args(MaxLoRARanks))
     fitting = [rank for rank in allowed if rank >= max_rank]
     if not fitting:
-        raise ExportError(f"--max-rank {max_rank} is over vLLM's largest LoRA rank {allowed[-1]}")
+        raise ValueError(f"--max-rank {max_rank} is over vLLM's largest LoRA rank {allowed[-1]}")
     return fitting[0]
 
 
@@ -64,7 +63,7 @@ def check_vllm_args(vllm_args: list[str]) -> None:
     for argument in vllm_args:
         flag = argument.split("=", 1)[0]
         if flag in OWN_FLAGS:
-            raise ExportError(f"{flag} after -- is set by preft serve itself: use preft serve's {OWN_FLAGS[flag]} "
+            raise ValueError(f"{flag} after -- is set by preft serve itself: use preft serve's {OWN_FLAGS[flag]} "
                               "(before --)")
 
 
@@ -142,7 +141,7 @@ def scheduler_spec(args) -> dict:
                              ("--feather-max-wait-s", args.feather_max_wait_s, "> 0"),
                              ("--max-chunk", args.max_chunk, "> 0"), ("--min-chunk", args.min_chunk, "> 0")):
         if value is not None and not (math.isfinite(value) and (value > 0 if low == "> 0" else value >= 0)):
-            raise ExportError(f"{flag} must be {low} and finite, got {value}")
+            raise ValueError(f"{flag} must be {low} and finite, got {value}")
     spec = {"name": args.scheduler, "max_chunk": args.max_chunk}
     if args.tpot_ms is not None:
         spec["tpot_ms"] = args.tpot_ms
@@ -152,51 +151,51 @@ def scheduler_spec(args) -> dict:
     try:
         admission, chunk_policy = split_scheduler_name(args.scheduler)
     except ValueError as err:
-        raise ExportError(f"--scheduler: {err}") from None
+        raise ValueError(f"--scheduler: {err}") from None
     deadline, waves = "sloweave" in chunk_policy, "wavepp" in chunk_policy
     if deadline and (args.tpot_ms is None or not args.cost_model):
-        raise ExportError("--scheduler sloweave needs --tpot-ms MS and --cost-model FILE (a step cost model of this "
+        raise ValueError("--scheduler sloweave needs --tpot-ms MS and --cost-model FILE (a step cost model of this "
                           "machine and model: `preft eval profile --model M`)")
     if waves and not args.cost_model:
-        raise ExportError("--scheduler wavepp needs --cost-model FILE (a step cost model of this machine and model: "
+        raise ValueError("--scheduler wavepp needs --cost-model FILE (a step cost model of this machine and model: "
                           "`preft eval profile --model M`)")
     if waves and args.pipeline_parallel_size < 2:
-        raise ExportError("--scheduler wavepp sizes prefill chunks for pipeline stages: it needs "
+        raise ValueError("--scheduler wavepp sizes prefill chunks for pipeline stages: it needs "
                           "--pipeline-parallel-size 2 or more")
     if not deadline and args.tpot_ms is not None:
-        raise ExportError(f"--tpot-ms is SLOWeave's; --scheduler {args.scheduler} does not use it")
+        raise ValueError(f"--tpot-ms is SLOWeave's; --scheduler {args.scheduler} does not use it")
     if not (deadline or waves) and args.cost_model:
-        raise ExportError(f"--cost-model is SLOWeave's and WavePP's; --scheduler {args.scheduler} does not use it")
+        raise ValueError(f"--cost-model is SLOWeave's and WavePP's; --scheduler {args.scheduler} does not use it")
     if waves:
         spec["min_chunk"] = args.min_chunk
     if admission != "feather" and (args.feather_state or args.feather_max_wait_s is not None):
-        raise ExportError(f"--feather-state and --feather-max-wait-s are Feather's; --scheduler {args.scheduler} "
+        raise ValueError(f"--feather-state and --feather-max-wait-s are Feather's; --scheduler {args.scheduler} "
                           "does not use them")
     if any(a == "--async-scheduling" or a.startswith("--async-scheduling=") for a in args.vllm_args):
-        raise ExportError("--async-scheduling cannot run with PreFT's scheduler (a synchronous vLLM Scheduler "
+        raise ValueError("--async-scheduling cannot run with PreFT's scheduler (a synchronous vLLM Scheduler "
                           "subclass); PreFT turns async scheduling off")
     if admission != "fcfs" and "--no-enable-prefix-caching" in args.vllm_args:
-        raise ExportError(f"--scheduler {args.scheduler} orders requests by their prefix-cache blocks: it needs "
+        raise ValueError(f"--scheduler {args.scheduler} orders requests by their prefix-cache blocks: it needs "
                           "prefix caching (drop --no-enable-prefix-caching)")
     if args.feather_state:
         state = Path(args.feather_state).resolve()
         if state.is_dir() or not state.parent.is_dir():
-            raise ExportError(f"--feather-state must be a file in an existing directory: {args.feather_state}")
+            raise ValueError(f"--feather-state must be a file in an existing directory: {args.feather_state}")
         try:  # the table is written there while serving and at exit: find out now, not at exit
             tempfile.NamedTemporaryFile(dir=state.parent, prefix=f".{state.name}.", suffix=".probe").close()
         except OSError as err:
-            raise ExportError(f"--feather-state {args.feather_state}: its directory is not writable "
+            raise ValueError(f"--feather-state {args.feather_state}: its directory is not writable "
                               f"({err.strerror or err})") from None
         spec["feather_state"] = str(state)
     if args.feather_max_wait_s is not None:
         if args.feather_max_wait_s <= 0:
-            raise ExportError("--feather-max-wait-s must be > 0")
+            raise ValueError("--feather-max-wait-s must be > 0")
         spec["feather_max_wait_s"] = args.feather_max_wait_s
     try:
         policy_from_spec(spec)
         admission_from_spec(spec, cache=object())  # reads the Feather state: a bad file fails now
     except ValueError as err:
-        raise ExportError(f"--scheduler: {err}") from None
+        raise ValueError(f"--scheduler: {err}") from None
     return spec
 
 
@@ -209,7 +208,7 @@ def check_port_free(host: str, port: int) -> None:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
             probe.bind((host, port))
     except OSError as err:
-        raise ExportError(f"cannot listen on {host}:{port}: {err.strerror or err} (is another server running?)") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err} (is another server running?)") from None
 
 
 def serve(args) -> int:
@@ -219,14 +218,14 @@ def serve(args) -> int:
 
     base_dir = Path(preft.DEFAULT_BASE_MODEL if args.model == "default" else args.model)
     if not (base_dir / "config.json").is_file():
-        raise ExportError(f"base model not found (no config.json): {base_dir}")
+        raise ValueError(f"base model not found (no config.json): {base_dir}")
     if args.allow_runtime_loading and not args.adapter_root:
-        raise ExportError("--allow-runtime-loading needs --adapter-root DIR: runtime loads may only read bundles "
+        raise ValueError("--allow-runtime-loading needs --adapter-root DIR: runtime loads may only read bundles "
                           "under it")
     if args.adapter_root and not Path(args.adapter_root).is_dir():
-        raise ExportError(f"--adapter-root is not a directory: {args.adapter_root}")
+        raise ValueError(f"--adapter-root is not a directory: {args.adapter_root}")
     if args.max_rank < 1 or args.max_adapters < 1:
-        raise ExportError("--max-rank and --max-adapters must be >= 1")
+        raise ValueError("--max-rank and --max-adapters must be >= 1")
     vllm_lora_rank(args.max_rank)  # over vLLM's largest: refused now, not after the model loads
     check_vllm_args(args.vllm_args)
     scheduler_spec(args)
@@ -236,7 +235,7 @@ def serve(args) -> int:
     names = [spec.split("=", 1)[0] for spec in args.adapter if "=" in spec]
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
-        raise ExportError(f"--adapter names must be unique: {', '.join(duplicated)} given more than once")
+        raise ValueError(f"--adapter names must be unique: {', '.join(duplicated)} given more than once")
     check_port_free(args.host, args.port)
     temporary_store = args.state_dir is None
     if temporary_store:
@@ -246,16 +245,16 @@ def serve(args) -> int:
     try:
         for spec in args.adapter:
             if "=" not in spec:
-                raise ExportError(f"--adapter {spec!r} is not of the form NAME=BUNDLE_DIR")
+                raise ValueError(f"--adapter {spec!r} is not of the form NAME=BUNDLE_DIR")
             name, path = spec.split("=", 1)
             if not name:
-                raise ExportError(f"--adapter {spec!r} has an empty name")
+                raise ValueError(f"--adapter {spec!r} has an empty name")
             copy, manifest = store.add(name, path)
             if manifest["kind"] == "reft":
                 reft_adapters[name] = str(copy)
             else:
                 args.lora_adapters.append(f"{name}={copy}")
-    except ExportError:
+    except ValueError:
         if temporary_store:  # made above, for this server only: nothing is left behind
             shutil.rmtree(args.state_dir, ignore_errors=True)
         raise

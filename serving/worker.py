@@ -2,7 +2,7 @@
 
 1. ``InputBatch.make_lora_inputs`` -> :func:`make_lora_inputs`: per-token LoRA ids by absolute
    position (:mod:`preft.serving.lora_mapping`), each adapter's rule read once from its bundle
-   (:func:`preft.rule.bundle_rule`), each request's ``P`` its prompt length or its
+   (:func:`preft.bundle.bundle_rule`), each request's ``P`` its prompt length or its
    ``preft_prompt_end`` (:func:`rule_prompt_lengths`; ``add_request`` / ``remove_request`` keep
    the boundaries of the batch's requests). A LoRA whose request has no active token this step is not
    asked for, so it needs no adapter slot.
@@ -55,7 +55,7 @@ import numpy as np
 
 from preft import envs
 from preft.constants import FAILED_REQUESTS_ATTR
-from preft.rule import bundle_rule
+from preft.bundle import bundle_rule
 from preft.serving import lora_ops, reft
 from preft.serving.bundle_store import NOT_SERVED, is_store_copy
 from preft.serving.prompt_end import prompt_end_of
