@@ -54,12 +54,14 @@ def targets(cost_model) -> tuple[float, float]:
 
 
 def simulate(order: str, work, cost_model, settings: dict, bandit=None, rules=None, cache_blocks=None):
-    from preft.serving.scheduling.admission import make_admission, split_scheduler_name
+    from preft.serving.scheduling.admission import make_admission
     from preft.serving.scheduling.chunk_policies import make_policy
+    from preft.serving.scheduling.spec import SchedulerSpec
     from preft.serving.scheduling.prefix_cache import PrefixCache
     from preft.serving.scheduling.simulator import Simulator
 
-    admission, chunk = split_scheduler_name(order)
+    spec = SchedulerSpec.parse(order)
+    admission, chunk = spec.admission, spec.chunk_policy
     policy = make_policy(chunk, cost_model=cost_model, tpot_s=settings["tpot_s"], max_chunk=settings["max_chunk"])
     blocks = cache_blocks or settings["cache_blocks"]
     simulator = Simulator(cost_model, policy, max_num_seqs=settings["max_num_seqs"],
@@ -133,6 +135,7 @@ def engine_rows(cost_model, settings: dict, model_dir: str, state_path: Path, ou
     from preft.serving.scheduling import workloads
     from preft.serving.scheduling.feather import FeatherBandit
     from preft.serving.scheduling.metrics import summarize
+    from preft.serving.scheduling.spec import SchedulerSpec
 
     engine_dir = out / "engine"
     engine_dir.mkdir(parents=True, exist_ok=True)
@@ -151,10 +154,11 @@ def engine_rows(cost_model, settings: dict, model_dir: str, state_path: Path, ou
             for order in orders[shift:] + orders[:shift]:
                 label = f"{variant}-{order.replace('+', '-')}-r{round_index}"
                 args = ["--scheduler", "default" if order == "fcfs" else order]
-                if "sloweave" in order:
+                parsed = SchedulerSpec.parse(order)
+                if parsed.sloweave:
                     args += ["--tpot-ms", f"{1e3 * settings['tpot_s']:.3f}", "--cost-model", settings["cost_model"],
                              "--max-chunk", str(settings["max_chunk"])]
-                if "feather" in order:  # from the pretrained table; the run's copy learns on
+                if parsed.admission == "feather":  # from the pretrained table; the run's copy learns on
                     copy = engine_dir / f"feather_state-{label}.json"
                     shutil.copyfile(state_path, copy)
                     args += ["--feather-state", str(copy)]
@@ -169,7 +173,7 @@ def engine_rows(cost_model, settings: dict, model_dir: str, state_path: Path, ou
     rows = []
     for variant, orders in cases:
         for order in orders:
-            bandit = FeatherBandit.load(state_path) if "feather" in order else None
+            bandit = FeatherBandit.load(state_path) if SchedulerSpec.parse(order).admission == "feather" else None
             predicted = summary(simulate(order, works[variant], cost_model, settings, bandit=bandit,
                                          cache_blocks=settings["engine_blocks"]), settings)
             measured = runs[(variant, order)]

@@ -31,9 +31,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                               "FILE: the scheduler appends one line per step, '<running requests> <distinct "
                               "adapters>' (the tests read it)"),
     "PREFT_SCHEDULER": (lambda: json.loads(os.environ.get("PREFT_SCHEDULER") or "{}"),
-                        "JSON {name, tpot_ms, cost_model, max_chunk, margin_ms}: the prefill chunk policy "
-                        "(preft.serving.scheduling.chunk_policies.policy_from_spec; set by `preft serve "
-                        "--scheduler`; unset: vLLM's default)"),
+                        "JSON {name, tpot_ms, cost_model, max_chunk, margin_ms, min_chunk, stages, feather_state, "
+                        "feather_max_wait_s}: the prefill chunk policy and admission order, a "
+                        "preft.serving.scheduling.spec.SchedulerSpec (set by `preft serve --scheduler`; unset: "
+                        "vLLM's default)"),
     "PREFT_STEP_TRACE": (lambda: os.environ.get("PREFT_STEP_TRACE") or None,
                          "FILE: the scheduler appends one JSON line per engine step: its shape (decodes, prefill "
                          "tokens, context tokens), its time and the gap before it (`preft eval profile` reads it)"),

@@ -4,9 +4,10 @@
 start-up or loaded at run time, :meth:`BundleStore.add` copies the bundle's files into a
 temporary directory inside the store, checks that copy (:func:`check_bundle`: manifest and its
 rule, kind, rank, base model, complete and finite weights, by :mod:`preft.bundle`'s checks), and
-renames it to ``STORE/<sha256 of its files>``. The engine reads only that copy, so a bundle that is later deleted, moved or
-re-exported in place cannot change or crash what is served, and a re-exported bundle loaded
-again is a new directory with its new weights (never a stale cache hit).
+renames it to ``STORE/<sha256 of its files>``. The engine reads only that copy, so a bundle
+that is later deleted, moved or re-exported in place cannot change or crash what is served, and
+a re-exported bundle loaded again is a new directory with its new weights (never a stale cache
+hit).
 
 Runtime loads may only name directories under the server's adapter root
 (:func:`resolve_under_root`): the path is resolved (``..`` and links followed) before the

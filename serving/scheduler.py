@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 
 from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -59,6 +60,7 @@ from preft.serving.prompt_end import rule_prompt_length
 from preft.serving.reft import reft_bundle_of, reft_slots
 from preft.serving.scheduling.admission import admission_from_spec
 from preft.serving.scheduling.chunk_policies import StepView, VllmDefault, policy_from_spec
+from preft.serving.scheduling.spec import SchedulerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -95,23 +97,34 @@ def _rule_prompt_length(request) -> int:
     return rule_prompt_length(getattr(request.sampling_params, "extra_args", None), request.num_prompt_tokens)
 
 
+@dataclass
+class SchedulerStep:
+    """What :class:`PreftScheduler` knows of the step it is scheduling, made in one place at the
+    start of ``schedule()`` (:meth:`PreftScheduler.new_step`) and read until the step's output:
+    when it started, the chunk policy's prefill budget (as given, and what is left of it while
+    vLLM hands out tokens; None: vLLM's own budget only), and the ReFT-P bundles that have a
+    slot this step."""
+
+    started_s: float | None = None
+    budget_given: int | None = None
+    prefill_budget_left: int | None = None
+    reft_bundles: set[str] = field(default_factory=set)
+
+
 class PreftScheduler(Scheduler):
     """vLLM's ``Scheduler`` with PreFT's adapter-slot accounting (see the module docstring)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.reft_slots = reft_slots(self.lora_config)
-        self.step_reft_bundles: set[str] = set()
+        self.preft_step = SchedulerStep()  # the step being scheduled (none yet)
         self.refused: dict[str, str] = {}  # request id -> why its adapter cannot be served (arrived so)
         self.failed_unreported: list = []  # requests failed since the last output was made
         self.admission = None  # the AdmissionQueue when an admission order is set (None: vLLM's FCFS queue)
         self.feather_state: str | None = None
         self.feather_saved_s = time.monotonic()
         self.set_policies(envs.PREFT_SCHEDULER)
-        self.step_prefill_budget: int | None = None  # what is left of it this step; None: vLLM's own only
-        self.step_budget_given: int | None = None
         self.last_token_s: dict[str, float] = {}  # request id -> monotonic time of its latest token
-        self.step_started_s: float | None = None
         self.last_output_s: float | None = None
         self.step_trace = envs.PREFT_STEP_TRACE
         logger.info("preft: prefill chunk policy %s", self.chunk_policy.name)
@@ -123,8 +136,10 @@ class PreftScheduler(Scheduler):
 
         if self.waiting:
             raise RuntimeError("the scheduling policies change only while no request waits")
-        stages = self.vllm_config.parallel_config.pipeline_parallel_size
-        self.chunk_policy = policy_from_spec({**spec, "stages": stages} if "wavepp" in spec.get("name", "") else spec)
+        spec = SchedulerSpec.from_json(spec) if isinstance(spec, dict) else spec
+        if spec.wavepp:  # its chunks are sized for this engine's pipeline stages
+            spec = spec.with_stages(self.vllm_config.parallel_config.pipeline_parallel_size)
+        self.chunk_policy = policy_from_spec(spec)
         if getattr(self.chunk_policy, "max_chunk", 0) > self.max_num_scheduled_tokens:
             logger.warning("preft: the %s scheduler's largest chunk %d is over the engine's token budget %d "
                            "(--max-num-batched-tokens): chunks stop at the budget", self.chunk_policy.name,
@@ -136,7 +151,7 @@ class PreftScheduler(Scheduler):
                              "it needs prefix caching on")
         self.admission = AdmissionQueue(order, self) if order is not None else None
         self.waiting = self.admission if order is not None else create_request_queue(self.policy)
-        self.feather_state = spec.get("feather_state")
+        self.feather_state = spec.feather_state
         logger.info("preft: prefill chunk policy %s, admission %s", self.chunk_policy.name,
                     order.name if order is not None else "fcfs")
 
@@ -175,12 +190,7 @@ class PreftScheduler(Scheduler):
         if self.refused:  # before scheduling: a refused request never reaches the worker
             self.fail_requests(self.refused)
             self.refused = {}
-        self.step_reft_bundles = set()
-        now = time.monotonic()
-        self.step_started_s = now
-        self.step_prefill_budget = (None if isinstance(self.chunk_policy, VllmDefault)
-                                    else self.chunk_policy.prefill_budget(self.step_view(now)))
-        self.step_budget_given = self.step_prefill_budget
+        self.preft_step = self.new_step(time.monotonic())
         if self.admission is not None:
             self.admission.new_step()
         hidden = []
@@ -200,6 +210,12 @@ class PreftScheduler(Scheduler):
             with open(trace, "a") as handle:
                 handle.write(f"{len(self.running)} {len(adapters)}\n")
         return output
+
+    def new_step(self, now: float) -> SchedulerStep:
+        """The record of a step starting at ``now``: its prefill budget asked of the chunk policy."""
+        budget = None if isinstance(self.chunk_policy, VllmDefault) else self.chunk_policy.prefill_budget(
+            self.step_view(now))
+        return SchedulerStep(started_s=now, budget_given=budget, prefill_budget_left=budget)
 
     def step_view(self, now: float) -> StepView:
         """What the chunk policy sees: running decodes (their last-token times), prefill left over
@@ -226,7 +242,7 @@ class PreftScheduler(Scheduler):
                 self.last_token_s[request_id] = now
         if len(self.last_token_s) > 2 * len(self.requests) + 64:  # forget finished requests
             self.last_token_s = {k: v for k, v in self.last_token_s.items() if k in self.requests}
-        if self.step_started_s is None or not (self.step_trace or self.admission is not None):
+        if self.preft_step.started_s is None or not (self.step_trace or self.admission is not None):
             return
         decodes = prefill = context = 0
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -240,17 +256,17 @@ class PreftScheduler(Scheduler):
             else:
                 prefill += scheduled
         if self.admission is not None:  # the order's reward for the batch that ran (Feather learns from it)
-            self.admission.order.reward(len(scheduler_output.num_scheduled_tokens), now - self.step_started_s,
+            self.admission.order.reward(len(scheduler_output.num_scheduled_tokens), now - self.preft_step.started_s,
                                         prefill)
             if self.feather_state and now - self.feather_saved_s > 30.0:
                 self.save_feather_state()
         if not self.step_trace:
             return
-        gap = None if self.last_output_s is None else self.step_started_s - self.last_output_s
+        gap = None if self.last_output_s is None else self.preft_step.started_s - self.last_output_s
         with open(self.step_trace, "a") as handle:
             handle.write(json.dumps({"n": decodes, "c": prefill, "x": context,
-                                     "seconds": now - self.step_started_s, "gap_s": gap,
-                                     "budget": self.step_budget_given, "policy": self.chunk_policy.name,
+                                     "seconds": now - self.preft_step.started_s, "gap_s": gap,
+                                     "budget": self.preft_step.budget_given, "policy": self.chunk_policy.name,
                                      "admission": self.admission.order.name if self.admission is not None else "fcfs",
                                      "waiting": len(self.waiting), "running": len(self.running)}) + "\n")
 
@@ -271,26 +287,26 @@ class PreftScheduler(Scheduler):
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        capped = self.step_prefill_budget is not None and not _is_decode(request, num_computed_tokens)
+        capped = self.preft_step.prefill_budget_left is not None and not _is_decode(request, num_computed_tokens)
         if capped:  # the chunk policy's budget for this step's prefill tokens
-            num_new_tokens = min(num_new_tokens, self.step_prefill_budget)
+            num_new_tokens = min(num_new_tokens, self.preft_step.prefill_budget_left)
         sized = getattr(self.chunk_policy, "prefill_chunk", None)
         if sized is not None and num_new_tokens and not _is_decode(request, num_computed_tokens):
             # WavePP: this request's next chunk of its plan (a recomputed request: over all its tokens)
             num_new_tokens = min(num_new_tokens, sized(request.request_id, num_computed_tokens, request.num_tokens))
         num_new_tokens = self._reft_slot_allows(request, num_computed_tokens, num_new_tokens)
         if capped:
-            self.step_prefill_budget -= num_new_tokens
+            self.preft_step.prefill_budget_left -= num_new_tokens
         return num_new_tokens
 
     def _reft_slot_allows(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         bundle = reft_bundle_of(getattr(request, "sampling_params", None))
-        if not num_new_tokens or bundle is None or bundle in self.step_reft_bundles:
+        if not num_new_tokens or bundle is None or bundle in self.preft_step.reft_bundles:
             return num_new_tokens
         if not bundle_rule(bundle).active_in(num_computed_tokens, num_computed_tokens + num_new_tokens,
                                              _rule_prompt_length(request)):
             return num_new_tokens
-        if len(self.step_reft_bundles) >= self.reft_slots:
+        if len(self.preft_step.reft_bundles) >= self.reft_slots:
             return 0  # every ReFT-P slot of this step is taken: a later step
-        self.step_reft_bundles.add(bundle)
+        self.preft_step.reft_bundles.add(bundle)
         return num_new_tokens

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from preft.serving import SCHEDULER_CLS
 from preft.serving.bundle_store import BundleStore
-from preft.serving.scheduling.admission import SCHEDULER_CHOICES, split_scheduler_name
+from preft.serving.scheduling.spec import SCHEDULER_CHOICES, SchedulerSpec
 
 
 def vllm_lora_rank(max_rank: int) -> int:
@@ -85,12 +85,10 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
         argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.pipeline_parallel_size > 1:
         argv += ["--pipeline-parallel-size", str(args.pipeline_parallel_size)]
-    chunk_policy = split_scheduler_name(args.scheduler)[1]
-    if chunk_policy != "default" and not any(a.startswith("--max-num-batched-tokens") for a in args.vllm_args):
+    spec = SchedulerSpec.parse(args.scheduler, max_chunk=args.max_chunk)
+    if spec.chunk_policy != "default" and not any(a.startswith("--max-num-batched-tokens") for a in args.vllm_args):
         # the policy's chunk plus a decode token for every running request fit vLLM's token budget
-        sizes = chunk_policy.split(":", 1)[1].split(",") if ":" in chunk_policy else [args.max_chunk]
-        largest = max(int(size) for size in sizes)
-        argv += ["--max-num-batched-tokens", str(largest + 256)]
+        argv += ["--max-num-batched-tokens", str(spec.largest_chunk + 256)]
     return argv + list(args.vllm_args)
 
 
@@ -131,9 +129,10 @@ def on_cpu() -> bool:
 
 
 def scheduler_spec(args) -> dict:
-    """The prefill chunk policy and admission order for the engine (``PREFT_SCHEDULER``), checked
-    now: a bad name, a missing TPOT target, an unreadable cost model or Feather state is one error
-    line before the model loads."""
+    """The prefill chunk policy and admission order for the engine (``PREFT_SCHEDULER``: a
+    :class:`~preft.serving.scheduling.spec.SchedulerSpec` as JSON), checked now: a bad name, a
+    missing TPOT target, an unreadable cost model or Feather state is one error line before the
+    model loads."""
     from preft.serving.scheduling.admission import admission_from_spec
     from preft.serving.scheduling.chunk_policies import policy_from_spec
 
@@ -142,41 +141,33 @@ def scheduler_spec(args) -> dict:
                              ("--max-chunk", args.max_chunk, "> 0"), ("--min-chunk", args.min_chunk, "> 0")):
         if value is not None and not (math.isfinite(value) and (value > 0 if low == "> 0" else value >= 0)):
             raise ValueError(f"{flag} must be {low} and finite, got {value}")
-    spec = {"name": args.scheduler, "max_chunk": args.max_chunk}
-    if args.tpot_ms is not None:
-        spec["tpot_ms"] = args.tpot_ms
-    if args.cost_model:
-        spec["cost_model"] = str(Path(args.cost_model).resolve())
-    spec["margin_ms"] = args.margin_ms
     try:
-        admission, chunk_policy = split_scheduler_name(args.scheduler)
+        name_only = SchedulerSpec.parse(args.scheduler)
     except ValueError as err:
         raise ValueError(f"--scheduler: {err}") from None
-    deadline, waves = "sloweave" in chunk_policy, "wavepp" in chunk_policy
-    if deadline and (args.tpot_ms is None or not args.cost_model):
+    if name_only.sloweave and (args.tpot_ms is None or not args.cost_model):
         raise ValueError("--scheduler sloweave needs --tpot-ms MS and --cost-model FILE (a step cost model of this "
-                          "machine and model: `preft eval profile --model M`)")
-    if waves and not args.cost_model:
+                         "machine and model: `preft eval profile --model M`)")
+    if name_only.wavepp and not args.cost_model:
         raise ValueError("--scheduler wavepp needs --cost-model FILE (a step cost model of this machine and model: "
-                          "`preft eval profile --model M`)")
-    if waves and args.pipeline_parallel_size < 2:
+                         "`preft eval profile --model M`)")
+    if name_only.wavepp and args.pipeline_parallel_size < 2:
         raise ValueError("--scheduler wavepp sizes prefill chunks for pipeline stages: it needs "
-                          "--pipeline-parallel-size 2 or more")
-    if not deadline and args.tpot_ms is not None:
+                         "--pipeline-parallel-size 2 or more")
+    if not name_only.sloweave and args.tpot_ms is not None:
         raise ValueError(f"--tpot-ms is SLOWeave's; --scheduler {args.scheduler} does not use it")
-    if not (deadline or waves) and args.cost_model:
+    if not (name_only.sloweave or name_only.wavepp) and args.cost_model:
         raise ValueError(f"--cost-model is SLOWeave's and WavePP's; --scheduler {args.scheduler} does not use it")
-    if waves:
-        spec["min_chunk"] = args.min_chunk
-    if admission != "feather" and (args.feather_state or args.feather_max_wait_s is not None):
+    if name_only.admission != "feather" and (args.feather_state or args.feather_max_wait_s is not None):
         raise ValueError(f"--feather-state and --feather-max-wait-s are Feather's; --scheduler {args.scheduler} "
-                          "does not use them")
+                         "does not use them")
     if any(a == "--async-scheduling" or a.startswith("--async-scheduling=") for a in args.vllm_args):
         raise ValueError("--async-scheduling cannot run with PreFT's scheduler (a synchronous vLLM Scheduler "
-                          "subclass); PreFT turns async scheduling off")
-    if admission != "fcfs" and "--no-enable-prefix-caching" in args.vllm_args:
+                         "subclass); PreFT turns async scheduling off")
+    if name_only.admission != "fcfs" and "--no-enable-prefix-caching" in args.vllm_args:
         raise ValueError(f"--scheduler {args.scheduler} orders requests by their prefix-cache blocks: it needs "
-                          "prefix caching (drop --no-enable-prefix-caching)")
+                         "prefix caching (drop --no-enable-prefix-caching)")
+    state = None
     if args.feather_state:
         state = Path(args.feather_state).resolve()
         if state.is_dir() or not state.parent.is_dir():
@@ -185,18 +176,18 @@ def scheduler_spec(args) -> dict:
             tempfile.NamedTemporaryFile(dir=state.parent, prefix=f".{state.name}.", suffix=".probe").close()
         except OSError as err:
             raise ValueError(f"--feather-state {args.feather_state}: its directory is not writable "
-                              f"({err.strerror or err})") from None
-        spec["feather_state"] = str(state)
-    if args.feather_max_wait_s is not None:
-        if args.feather_max_wait_s <= 0:
-            raise ValueError("--feather-max-wait-s must be > 0")
-        spec["feather_max_wait_s"] = args.feather_max_wait_s
+                             f"({err.strerror or err})") from None
+    spec = SchedulerSpec.parse(
+        args.scheduler, max_chunk=args.max_chunk, margin_ms=args.margin_ms, tpot_ms=args.tpot_ms,
+        cost_model=str(Path(args.cost_model).resolve()) if args.cost_model else None,
+        min_chunk=args.min_chunk if name_only.wavepp else None, feather_state=str(state) if state else None,
+        feather_max_wait_s=args.feather_max_wait_s)
     try:
         policy_from_spec(spec)
         admission_from_spec(spec, cache=object())  # reads the Feather state: a bad file fails now
     except ValueError as err:
         raise ValueError(f"--scheduler: {err}") from None
-    return spec
+    return spec.to_json()
 
 
 def check_port_free(host: str, port: int) -> None:

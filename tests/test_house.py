@@ -76,3 +76,25 @@ def test_read_manifest_checks_the_recorded_rule(tmp_path, field, value):
     (tmp_path / MANIFEST).write_text(json.dumps({"format": BUNDLE_FORMAT, "kind": "lora", "rank": 4, field: value}))
     with pytest.raises(BundleError, match=field):
         read_manifest(tmp_path)
+
+
+def test_the_scheduler_spec_is_parsed_in_one_module_and_envs_lists_its_keys():
+    """``--scheduler`` names are split in serving/scheduling/spec.py alone (no substring tests
+    elsewhere), and preft/envs.py documents every key of ``PREFT_SCHEDULER``."""
+    import re
+
+    from preft import envs
+    from preft.serving.scheduling.spec import SETTINGS, SchedulerSpec
+
+    repo = PACKAGE.parent
+    sources = [p for d in ("preft", "serving", "eval") for p in (repo / d).rglob("*.py")]
+    splitting = re.compile(r"""\.split\(["']\+["']\)"""
+                           r"""|["'](wavepp|sloweave|feather)["'] in [\w.\[\]"']*(name|order|scheduler)""")
+    found = sorted(str(p.relative_to(repo)) for p in sources if splitting.search(p.read_text()))
+    assert found == ["serving/scheduling/spec.py"], found
+    described = envs.VARIABLES["PREFT_SCHEDULER"][1]
+    assert all(key in described for key in {"name", *SETTINGS}), described
+    with pytest.raises(ValueError, match="unknown key"):
+        SchedulerSpec.from_json({"name": "sloweave", "tpot": 25})
+    with pytest.raises(ValueError, match="tpot_ms must be a number > 0"):
+        SchedulerSpec.parse("sloweave", tpot_ms=-1)

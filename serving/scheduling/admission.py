@@ -20,11 +20,14 @@ waiting again: preempted, or not placed this step; it goes back in front, as old
 
 from __future__ import annotations
 
-import re
 from collections import deque
 
 from preft.serving.scheduling.chunked_hash_tree import ChunkedHashTree
 from preft.serving.scheduling.feather import FeatherAdmission, FeatherBandit
+from preft.serving.scheduling.spec import ADMISSIONS, SCHEDULER_CHOICES, SchedulerSpec, split_scheduler_name
+
+__all__ = ["ADMISSIONS", "SCHEDULER_CHOICES", "FeatherOrder", "FirstComeFirstServed", "LongestPrefixMatch",
+           "admission_from_spec", "make_admission", "split_scheduler_name"]
 
 
 class FirstComeFirstServed:
@@ -125,36 +128,6 @@ class FeatherOrder:
         self.admission.reward(batch_size, step_s, prefill_tokens)
 
 
-ADMISSIONS = ("fcfs", "lpm", "feather")
-#: the prefill chunk policies by the form of their names (``cycle:`` is ``preft eval profile``'s)
-CHUNK_POLICY_NAMES = re.compile(r"default|fixed:\d+|cycle:\d+(,\d+)*|sloweave|wavepp|sloweave\+wavepp")
-#: what ``--scheduler`` takes, for its help and its errors
-SCHEDULER_CHOICES = ("a prefill chunk policy (default, fixed:TOKENS, sloweave, wavepp, sloweave+wavepp; "
-                     "cycle:TOKENS,TOKENS,... for profiling) and/or an admission order (fcfs, lpm, feather), "
-                     "joined by '+', e.g. feather+sloweave")
-
-
-def split_scheduler_name(name: str) -> tuple[str, str]:
-    """``ADMISSION+CHUNK_POLICY`` (either part optional, in any order) -> (admission, chunk policy):
-    ``feather`` -> (feather, default); ``feather+sloweave`` -> (feather, sloweave);
-    ``fixed:256`` -> (fcfs, fixed:256); ``feather+sloweave+wavepp`` -> (feather, sloweave+wavepp)."""
-    parts = [part for part in name.split("+")]
-    if any(not part for part in parts):
-        raise ValueError(f"scheduler {name!r}: an empty part (expected e.g. feather+sloweave)")
-    admissions = [part for part in parts if part in ADMISSIONS]
-    chunks = [part for part in parts if part not in ADMISSIONS]
-    if sorted(chunks) == ["sloweave", "wavepp"]:  # a deadline budget per step, pipeline-sized chunks in it
-        chunks = ["sloweave+wavepp"]
-    if len(admissions) > 1 or len(chunks) > 1:
-        raise ValueError(f"scheduler {name!r}: at most one admission order and one prefill chunk policy; "
-                         f"expected {SCHEDULER_CHOICES}")
-    chunk = (chunks or ["default"])[0]
-    if not CHUNK_POLICY_NAMES.fullmatch(chunk):
-        raise ValueError(f"unknown scheduler {name!r}" + (f" (its part {chunk!r})" if chunk != name else "")
-                         + f": expected {SCHEDULER_CHOICES}")
-    return (admissions or ["fcfs"])[0], chunk
-
-
 def make_admission(name: str, cache=None, bandit: FeatherBandit | None = None, max_wait_s: float = 10.0,
                    learn: bool = True):
     """A fresh admission order by name; ``lpm`` needs ``cache`` (anything with ``hit_blocks(keys)``)."""
@@ -169,17 +142,16 @@ def make_admission(name: str, cache=None, bandit: FeatherBandit | None = None, m
     raise ValueError(f"unknown admission order {name!r} (choose from {', '.join(ADMISSIONS)})")
 
 
-def admission_from_spec(spec: dict, cache=None):
+def admission_from_spec(spec: SchedulerSpec | dict, cache=None):
     """The admission order a scheduler spec names (``feather`` in ``feather+sloweave``), or None
     for ``fcfs`` (the engine keeps vLLM's own queue). Feather's table is read from
     ``feather_state`` when that file exists (else it starts empty)."""
     from pathlib import Path
 
-    name = split_scheduler_name(spec.get("name", "default"))[0]
-    if name != "feather" and ("feather_state" in spec or "feather_max_wait_s" in spec):
-        raise ValueError(f"the Feather state and age bound are Feather's; scheduler {spec.get('name')!r} has none")
-    if name == "fcfs":
+    spec = spec if isinstance(spec, SchedulerSpec) else SchedulerSpec.from_json(spec)
+    if spec.admission == "fcfs":
         return None
-    state = spec.get("feather_state")
+    state = spec.feather_state
     bandit = FeatherBandit.load(state) if state and Path(state).exists() else None
-    return make_admission(name, cache=cache, bandit=bandit, max_wait_s=float(spec.get("feather_max_wait_s", 10.0)))
+    max_wait_s = spec.feather_max_wait_s if spec.feather_max_wait_s is not None else 10.0
+    return make_admission(spec.admission, cache=cache, bandit=bandit, max_wait_s=max_wait_s)

@@ -134,24 +134,16 @@ def make_policy(name: str, *, cost_model=None, tpot_s: float | None = None, max_
                      "sloweave, wavepp, sloweave+wavepp; cycle:TOKENS,TOKENS,... for profiling)")
 
 
-SPEC_KEYS = {"name", "tpot_ms", "cost_model", "max_chunk", "margin_ms", "feather_state", "feather_max_wait_s",
-             "min_chunk", "stages"}
-
-
-def policy_from_spec(spec: dict):
-    """The prefill chunk policy a JSON spec names: ``{"name": "sloweave", "tpot_ms": 25,
-    "cost_model": FILE, "max_chunk": 2048, "margin_ms": 0}`` (``preft serve --scheduler`` writes
-    it). A name may carry an admission order too (``feather+sloweave``:
-    :func:`~preft.serving.scheduling.admission.split_scheduler_name`); this reads its chunk part."""
-    from preft.serving.scheduling.admission import split_scheduler_name
+def policy_from_spec(spec):
+    """The prefill chunk policy a scheduler spec names (:class:`~preft.serving.scheduling.spec.
+    SchedulerSpec`, or its JSON: ``{"name": "sloweave", "tpot_ms": 25, "cost_model": FILE,
+    "max_chunk": 2048, "margin_ms": 0}``, as ``preft serve --scheduler`` writes it); of a name
+    with an admission order too (``feather+sloweave``), its chunk part."""
     from preft.serving.scheduling.cost_model import StepCostModel
+    from preft.serving.scheduling.spec import SchedulerSpec
 
-    unknown = set(spec) - SPEC_KEYS
-    if unknown:
-        raise ValueError(f"scheduler spec: unknown key(s) {sorted(unknown)}")
-    name = split_scheduler_name(spec.get("name", "default"))[1]
-    cost_model = StepCostModel.load(spec["cost_model"]) if spec.get("cost_model") else None
-    tpot_s = spec["tpot_ms"] / 1e3 if spec.get("tpot_ms") is not None else None
-    return make_policy(name, cost_model=cost_model, tpot_s=tpot_s, max_chunk=int(spec.get("max_chunk", 2048)),
-                       margin_s=float(spec.get("margin_ms", 0.0)) / 1e3, stages=int(spec.get("stages", 1)),
-                       min_chunk=int(spec.get("min_chunk", 16)))
+    spec = spec if isinstance(spec, SchedulerSpec) else SchedulerSpec.from_json(spec)
+    cost_model = StepCostModel.load(spec.cost_model) if spec.cost_model else None
+    tpot_s = spec.tpot_ms / 1e3 if spec.tpot_ms is not None else None
+    return make_policy(spec.chunk_policy, cost_model=cost_model, tpot_s=tpot_s, max_chunk=spec.max_chunk,
+                       margin_s=spec.margin_ms / 1e3, stages=spec.stages, min_chunk=spec.min_chunk)
