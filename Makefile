@@ -34,7 +34,7 @@ demo: install
 	WANDB_MODE=offline $(BIN)/preft demo
 
 test: install
-	WANDB_MODE=offline $(BIN)/python -m pytest -q tests
+	WANDB_MODE=offline $(BIN)/python -m pytest -q --durations=15 tests
 
 # Side-by-side benchmarks; each writes docs/results/NAME.json and its section of docs/RESULTS.md.
 bench: install

@@ -1,4 +1,7 @@
-"""Measurements: the micro-benchmarks behind ``preft bench`` / ``make bench`` (SFT step time,
-CPU LoRA ops, serving throughput), each writing its JSON and its section of docs/RESULTS.md
-through :mod:`preft.eval.report`. ``preft eval`` (loss by rank, goodput) is not built yet.
+"""Measurements: ``preft eval`` (one module per command: ``loss``, ``serve``, ``rl``, ``profile``,
+``goodput``, ``prefix``, ``pipeline``, ``gpu``, ``soak``, ``report``), lm-eval's
+``preft-completions`` model (``lm_eval_preft``) and vLLM's benchmark client (``vllm_bench``);
+``preft bench``'s micro-benchmarks in :mod:`preft.eval.bench`; the helpers the commands share in
+:mod:`preft.eval.common`; the one writer of results and docs/RESULTS.md sections in
+:mod:`preft.eval.results`; harness code shared with the tests in :mod:`preft.eval.harness`.
 """

@@ -22,7 +22,7 @@ def engine_comparison(cost_model, cost_model_path: str, model_dir: str, requests
                       out: Path) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from preft.eval.eval_goodput import serve_trace
+    from preft.eval.common import serve_trace
     from preft.serving.scheduling import workloads
     from preft.serving.scheduling.pipeline_simulator import FixedPrefillChunk, LongPrompt, simulate_pipeline
     from preft.serving.scheduling.wavepp import StageCost, WavePP

@@ -162,8 +162,8 @@ def engine_rows(model_dir: str, work: list, settings: dict, out: Path) -> list[d
     from transformers import AutoTokenizer
 
     import preft
-    from preft.eval.eval_serve import make_bundles
-    from preft.serving.server_process import start_server, stop_server
+    from preft.eval.serve import make_bundles
+    from preft.eval.harness.server_process import start_server, stop_server
 
     bundles = make_bundles(model_dir, "lora", USERS, RANK, out / "bundles")
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
@@ -261,11 +261,13 @@ def run(model: str, out: Path, conversations: int, conversation_rate: float, eng
         engine_rounds: int) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from preft.eval import eval_profile
+    from preft.eval import common
+
+    from preft.eval import profile as eval_profile
     from preft.serving.scheduling import workloads
     from preft.serving.scheduling.cost_model import StepCostModel
 
-    model_dir = eval_profile._model_dir(model, out.parent / "profile")
+    model_dir = common.model_dir(model, out.parent / "profile")
     cost_model = StepCostModel.load(eval_profile.served_cost_model(model, model_dir, out.parent, "prefix"))
     max_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     work = workloads.conversation_workload(conversations, conversation_rate, seed=3, max_model_len=max_len,

@@ -131,7 +131,7 @@ def engine_rows(cost_model, settings: dict, model_dir: str, state_path: Path, ou
     range of the per-round ratios."""
     import statistics
 
-    from preft.eval.eval_goodput import serve_trace
+    from preft.eval.common import serve_trace
     from preft.serving.scheduling import workloads
     from preft.serving.scheduling.feather import FeatherBandit
     from preft.serving.scheduling.metrics import summarize
@@ -255,10 +255,12 @@ def run(model: str, out: Path, decode: dict, requests: int, groups: int, cache_b
         engine_requests: int, engine_rate: float, engine_blocks: int, engine_rounds: int = 3) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from preft.eval import eval_profile
+    from preft.eval import common
+
+    from preft.eval import profile as eval_profile
     from preft.serving.scheduling.cost_model import StepCostModel
 
-    model_dir = eval_profile._model_dir(model, out.parent / "profile")
+    model_dir = common.model_dir(model, out.parent / "profile")
     cost_path = eval_profile.served_cost_model(model, model_dir, out.parent, "prefix")
     cost_model = StepCostModel.load(cost_path)
     ttft_s, tpot_s = targets(cost_model)

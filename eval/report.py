@@ -1,109 +1,177 @@
-"""Write benchmark results: a JSON file and a marked section of docs/RESULTS.md.
+"""`preft eval report`: every eval result in one report, and the trade-off in one picture.
 
-Numbers reach the docs only through here, never typed by hand: each section is replaced
-between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` markers, with the command that
-produced it.
+    preft eval report [--out runs/eval] [--write-docs]
+
+Reads what ``preft eval loss`` / ``serve`` / ``rl`` / ``soak`` / ``profile`` / ``goodput`` wrote
+under ``OUT`` (``NAME/results.json``, ``profile/profile_MODEL.*``, ``goodput/goodput.md``; any may
+be missing) and writes ``OUT/report.md``:
+each section with the command, machine and versions that produced it, and the headline figure
+``OUT/tradeoff.png``: one point per (method, rank), x = serving throughput relative to the base
+model at N adapters (from ``eval serve``, its largest N at its first rate: LoRA-P and ReFT-P are its ``preft`` variant, all-token
+LoRA its ``all-token`` variant), y = held-out loss (from ``eval loss``). Up and to the left is
+worse; PreFT's argument is points far to the right at little extra loss.
+
+``--write-docs`` also puts each section into ``docs/RESULTS.md`` (between its markers, through
+:func:`preft.eval.results.write_result`) with the figures in ``docs/results/``: the only eval
+command that writes into the source tree.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
-import platform
-import re
-import sys
+import shutil
+import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def write_result(name: str, result: dict[str, Any], markdown: str, docs_dir: Path | None = None) -> Path:
-    docs = docs_dir or REPO / "docs"
-    (docs / "results").mkdir(parents=True, exist_ok=True)
-    json_path = docs / "results" / f"{name}.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    results_md = docs / "RESULTS.md"
-    text = results_md.read_text() if results_md.exists() else "# Measured results\n"
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    block = f"{start}\n{markdown.strip()}\n{end}"
-    if start in text and end in text:
-        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    results_md.write_text(text)
-    return json_path
+#: eval-loss method -> (eval-serve adapter kind, variant) whose throughput it is served at
+SERVED_AS = {"lora": ("lora", "all-token"), "lora_p": ("lora", "preft"), "loreft_p": ("reft", "preft"),
+             "direft_p": ("reft", "preft")}
+SECTIONS = {"loss": ("loss.md", "loss_vs_rank.png"), "serve": ("serve.md", "serve.png"),
+            "rl": ("rl.md", "reward_vs_step.png"), "soak": ("soak.md", "soak.png")}
 
 
-def save_run(directory: Path, name: str, result: dict[str, Any], markdown: str, also: tuple[Path, ...] = ()) -> None:
-    """``DIRECTORY/results.json`` and ``DIRECTORY/NAME.md`` of one ``preft eval`` part, each written
-    atomically (a temp file renamed over it); the markdown printed, then what was written (and ``also``)."""
-    import os
-
-    for path, text in ((directory / "results.json", json.dumps(result, indent=2, default=str) + "\n"),
-                       (directory / f"{name}.md", markdown)):
-        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temp.write_text(text)
-        os.replace(temp, path)
-    print(markdown)
-    print("written: " + ", ".join(str(p) for p in (directory / "results.json", directory / f"{name}.md", *also)))
+def _read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
-def torch_machine() -> dict[str, str]:
-    """Where a torch benchmark ran: CPU architecture, torch's threads, torch's version."""
-    return {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__}
+def tradeoff_points(loss: dict[str, Any], serve: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """``(points, methods left out)``: per (method, rank) the mean held-out loss and the throughput
+    ratio to base of the variant that serves it."""
+    from preft.eval.serve import base_row
 
-
-def publish(name: str, result: dict[str, Any], markdown: str) -> Path:
-    """:func:`write_result`, then show the section on stdout and say where it went."""
-    path = write_result(name, result, markdown)
-    print(markdown)
-    print(f"written: {path} and docs/RESULTS.md", file=sys.stderr)
-    return path
-
-
-def run_dir_for(runs: Path, name: str, config: dict[str, Any]) -> Path:
-    """``runs/NAME-DIGEST``: one directory per training setting (the digest is over the run's
-    config less its output directory), so a rerun with another learning rate, step count or data
-    file never reuses or resumes a run trained otherwise."""
-    import hashlib
-
-    settings = {k: v for k, v in config.items() if k not in ("output_dir", "resume_from_checkpoint")}
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return runs / f"{name}-{digest}"
-
-
-def command_line(name: str, function, values: dict[str, Any], always: tuple[str, ...] = ()) -> str:
-    """``preft eval NAME --flag value ...`` for the arguments in ``always`` and every other one of
-    ``function``'s that differs from its default: the recorded command reruns the measurement."""
-    given = [(k, v) for k, v in values.items()
-             if v is not None and (k in always or v != default_of(function, k))]
-    def flag(key: str, value: Any) -> str:
-        if isinstance(value, bool):  # a switch (add_flags): --x or --no-x
-            return f"--{'' if value else 'no-'}{key.replace('_', '-')}"
-        return f"--{key.replace('_', '-')} {value}"
-
-    return " ".join([f"preft eval {name}", *(flag(k, v) for k, v in given)])
-
-
-def default_of(function, name: str) -> Any:
-    """The default of ``function``'s keyword ``name``: a benchmark's defaults live in its
-    ``main()`` alone, and its command-line flags and recorded command read them from there."""
-    return inspect.signature(function).parameters[name].default
-
-
-def add_flags(parser, function, flags: list[tuple[str, type, str]]) -> None:
-    """One ``--flag`` per ``(flag, type, help)``, its default read from ``function``'s keyword of
-    the same name (``--eval-examples`` -> ``eval_examples``) and shown in the help; a ``bool``
-    flag is a switch (``--no-flag`` when it is on by default)."""
-    for flag, kind, what in flags:
-        key = flag[2:].replace("-", "_")
-        default = default_of(function, key)
-        if kind is bool:  # a switch: --no-x turns off what is on by default, --x turns on what is off
-            switch = f"--no-{flag[2:]}" if default else flag
-            parser.add_argument(switch, dest=key, action="store_false" if default else "store_true",
-                                help=f"{'do not ' if default else ''}{what}")
+    rate = serve["rows"][0]["request_rate"]  # the first rate, the largest adapter count
+    rows = [r for r in serve["rows"] if r["request_rate"] == rate]
+    most = max((r["adapters"] for r in rows), default=0)
+    points, missing = [], []
+    for method in loss["methods"]:
+        kind, variant = SERVED_AS[method]
+        served = next((r for r in rows if r["variant"] == variant and r["kind"] == kind and r["adapters"] == most),
+                      None)
+        base = base_row(rows, served) if served else None
+        if base is None:
+            missing.append(method)
             continue
-        parser.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
+        for rank in loss["ranks"]:
+            runs = [r["eval_loss"] for r in loss["runs"] if r["method"] == method and r["rank"] == rank]
+            points.append({"method": method, "rank": rank, "eval_loss": statistics.mean(runs),
+                           "throughput_vs_base": served["vs_base"],
+                           "served_rank": served["rank"], "adapters": served["adapters"]})
+    return points, missing
+
+
+def plot_tradeoff(points: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from preft.eval.loss import LABELS
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for index, method in enumerate(dict.fromkeys(p["method"] for p in points)):
+        mine = [p for p in points if p["method"] == method]
+        ax.scatter([p["throughput_vs_base"] for p in mine], [p["eval_loss"] for p in mine], color=f"C{index}",
+                   label=LABELS[method], marker="s" if method == "lora" else "o")
+        for p in mine:
+            ax.annotate(f"r={p['rank']}", (p["throughput_vs_base"], p["eval_loss"]), fontsize=7,
+                        xytext=(4, 2), textcoords="offset points")
+    ax.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("serving throughput relative to the base model alone")
+    ax.set_ylabel("held-out loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(out: str = "runs/eval", write_docs: bool = False, docs_dir: str | None = None) -> dict[str, Any]:
+    """The report of ``out``; with ``write_docs``, its sections into ``docs_dir`` (default: the
+    repository's ``docs/``)."""
+    root = Path(out)
+    results = {name: _read(root / name / "results.json") for name in SECTIONS}
+    if not any(results.values()) and not own_figure_sections(root):
+        raise ValueError(f"{root}: no eval results found (run preft eval loss / serve / rl with --out {out} first)")
+    parts = ["# PreFT eval report\n"]
+    figure = None
+    if results["loss"] and results["serve"]:
+        points, missing = tradeoff_points(results["loss"], results["serve"])
+        if points:
+            figure = root / "tradeoff.png"
+            serve_rank, adapters = points[0]["served_rank"], points[0]["adapters"]
+            plot_tradeoff(points, figure, f"accuracy vs serving throughput: {adapters} adapters "
+                                          f"(throughput measured at rank {serve_rank})")
+            note = f" Left out (their serving variant was not measured): {', '.join(missing)}." if missing else ""
+            parts.append("## The trade-off\n\n![trade-off](tradeoff.png)\n\nOne point per (method, rank): held-out "
+                         f"loss from `{results['loss']['command']}`, throughput relative to the base model from "
+                         f"`{results['serve']['command']}` (measured at rank {serve_rank} for every point).{note}\n")
+            results["tradeoff"] = {"points": points, "left_out": missing}
+    for name, (markdown, picture) in SECTIONS.items():
+        if results[name] and (root / name / markdown).is_file():
+            text = (root / name / markdown).read_text().strip()
+            parts.append(text.replace("\n\n", f"\n\n![{name}]({name}/{picture})\n\n", 1)
+                         if (root / name / picture).is_file() else text)
+    # sections that name their own figures (``![..](FILE.png)``, FILE beside the markdown)
+    own = own_figure_sections(root)
+    for name, (markdown, pictures) in own.items():
+        parts.append(_figures_at(markdown.read_text().strip(), pictures, f"{markdown.parent.name}/"))
+    report = root / "report.md"
+    report.write_text("\n\n".join(parts) + "\n")
+    print(f"written: {report}" + (f" and {figure}" if figure else ""))
+    if write_docs:
+        from preft.eval.results import REPO, write_result
+
+        docs_root = Path(docs_dir) if docs_dir else REPO / "docs"
+        docs = docs_root / "results"
+        docs.mkdir(parents=True, exist_ok=True)
+        for name, (markdown, picture) in SECTIONS.items():
+            if not results[name]:
+                continue
+            text = (root / name / markdown).read_text().strip()
+            if (root / name / picture).is_file():
+                shutil.copyfile(root / name / picture, docs / f"eval_{picture}")
+                text = text.replace("\n\n", f"\n\n![{name}](results/eval_{picture})\n\n", 1)
+            write_result(f"eval_{name}", results[name], text, docs_root)
+        for name, (markdown, pictures) in own.items():
+            for picture in pictures:
+                shutil.copyfile(markdown.parent / picture, docs / f"eval_{picture}")
+            data = _read(markdown.with_suffix(".json")) or _read(markdown.parent / "results.json") or {}
+            write_result(f"eval_{name}", data,
+                         _figures_at(markdown.read_text().strip(), pictures, "results/eval_"), docs_root)
+        if figure:
+            shutil.copyfile(figure, docs / "eval_tradeoff.png")
+            write_result("eval_tradeoff", results["tradeoff"], parts[1].replace("(tradeoff.png)",
+                                                                                "(results/eval_tradeoff.png)"), docs_root)
+        print(f"written: {docs_root / 'RESULTS.md'} and {docs}/eval_*")
+    return results
+
+
+def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
+    """``name -> (markdown, its figures)`` for ``eval profile`` (one per model), ``eval goodput``,
+    ``eval prefix`` and ``eval pipeline``."""
+    found = {}
+    for markdown in sorted((root / "profile").glob("profile_*.md")):
+        found[markdown.stem] = (markdown, [f"{markdown.stem}.png"])
+    if (root / "goodput" / "goodput.md").is_file():
+        found["goodput"] = (root / "goodput" / "goodput.md", ["goodput_sim.png", "goodput_engine.png"])
+    if (root / "prefix" / "prefix.md").is_file():
+        found["prefix"] = (root / "prefix" / "prefix.md", ["prefix_orders.png", "conversations.png"])
+    if (root / "pipeline" / "pipeline.md").is_file():
+        found["pipeline"] = (root / "pipeline" / "pipeline.md", ["pipeline_sim.png"])
+    return {name: (markdown, [p for p in pictures if (markdown.parent / p).is_file()])
+            for name, (markdown, pictures) in found.items()}
+
+
+def _figures_at(text: str, pictures: list[str], prefix: str) -> str:
+    for picture in pictures:
+        text = text.replace(f"]({picture})", f"]({prefix}{picture})")
+    return text
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default="runs/eval", help="the results directory the eval commands wrote "
+                                                           "(default runs/eval)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also write each section into docs/RESULTS.md and its figures into docs/results/")

@@ -8,32 +8,32 @@ import sys
 
 #: name -> (module, what it answers); each module has main() and add_arguments(parser)
 EVALS = {
-    "loss": ("preft.eval.eval_loss", "held-out loss by rank: PreFT vs standard PEFT, on your model and data"),
-    "rl": ("preft.eval.eval_rl", "GRPO reward curves and held-out accuracy: LoRA vs LoRA-P vs ReFT-P"),
-    "serve": ("preft.eval.eval_serve", "online throughput, TTFT/TPOT and goodput with `vllm bench serve`: "
+    "loss": ("preft.eval.loss", "held-out loss by rank: PreFT vs standard PEFT, on your model and data"),
+    "rl": ("preft.eval.rl", "GRPO reward curves and held-out accuracy: LoRA vs LoRA-P vs ReFT-P"),
+    "serve": ("preft.eval.serve", "online throughput, TTFT/TPOT and goodput with `vllm bench serve`: "
                                        "PreFT vs all-token vs base"),
-    "profile": ("preft.eval.eval_profile", "measure engine steps and fit the step cost model T(decodes, chunk, "
+    "profile": ("preft.eval.profile", "measure engine steps and fit the step cost model T(decodes, chunk, "
                                            "context) that SLOWeave and the simulator use"),
-    "goodput": ("preft.eval.eval_goodput", "SLOWeave vs fixed prefill chunks and vLLM's default: goodput in the "
+    "goodput": ("preft.eval.goodput", "SLOWeave vs fixed prefill chunks and vLLM's default: goodput in the "
                                            "simulator on four workloads and on the real engine, with the gap"),
-    "prefix": ("preft.eval.eval_prefix", "prefix-aware scheduling: CHT vs radix-tree selection cost, what a "
+    "prefix": ("preft.eval.prefix", "prefix-aware scheduling: CHT vs radix-tree selection cost, what a "
                                          "shared-prefix decode batch gains, FCFS vs LPM vs Feather in the "
                                          "simulator and on the engine"),
-    "pipeline": ("preft.eval.eval_pipeline", "pipeline-parallel prefill: WavePP chunk sizing vs fixed chunks in the "
+    "pipeline": ("preft.eval.pipeline", "pipeline-parallel prefill: WavePP chunk sizing vs fixed chunks in the "
                                              "pipeline simulator and on the engine at PP=2"),
-    "gpu": ("preft.eval.eval_gpu", "the GPU path in one short run (make gpu-check): parity with HF in bfloat16, "
+    "gpu": ("preft.eval.gpu", "the GPU path in one short run (make gpu-check): parity with HF in bfloat16, "
                                    "Triton kernels vs references, throughput at 1/64/512 adapters"),
-    "soak": ("preft.eval.eval_soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
-    "report": ("preft.eval.eval_report", "every eval result in one report, and the accuracy/throughput figure"),
+    "soak": ("preft.eval.soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
+    "report": ("preft.eval.report", "every eval result in one report, and the accuracy/throughput figure"),
 }
 
 #: name -> (module, what it measures); each module has main() and add_arguments(parser)
 BENCHMARKS = {
-    "sft-step": ("preft.eval.bench_sft", "SFT step time, LoRA-P vs all-token LoRA"),
-    "lora-ops": ("preft.eval.bench_lora_ops", "CPU multi-LoRA ops on one prefill step: vLLM stock vs PreFT's planned ops"),
-    "throughput": ("preft.eval.bench_throughput",
+    "sft-step": ("preft.eval.bench.sft_step", "SFT step time, LoRA-P vs all-token LoRA"),
+    "lora-ops": ("preft.eval.bench.lora_ops", "CPU multi-LoRA ops on one prefill step: vLLM stock vs PreFT's planned ops"),
+    "throughput": ("preft.eval.bench.throughput",
                    "serving output tokens/s: base, stock multi-LoRA, tiled all-token LoRA, LoRA-P, ReFT-P"),
-    "soak": ("preft.eval.bench_soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
+    "soak": ("preft.eval.bench.soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
 }
 
 RECIPES = {

@@ -79,9 +79,9 @@ def ask(url: str, model: str, prompts: list[str]) -> list[str]:
 
 
 def main(steps: int = 300, output_dir: str = "runs/demo", eval_adapters: int = 8) -> dict:
-    from preft.eval import eval_serve
+    from preft.eval import serve as eval_serve
     from preft.export import export_adapter
-    from preft.serving.server_process import start_server, stop_server
+    from preft.eval.harness.server_process import start_server, stop_server
 
     started = time.time()
     out = Path(output_dir)

@@ -1,7 +1,7 @@
 """``PreftScheduler``: vLLM's scheduler, aware that prefill-only requests decode without adapters.
 
 Passed to vLLM as ``scheduler_cls`` (:data:`preft.serving.SCHEDULER_CLS`; ``preft serve`` and
-:mod:`preft.serving.engine_driver` do it; with ``vllm.LLM`` pass
+:mod:`preft.eval.harness.engine_driver` do it; with ``vllm.LLM`` pass
 ``scheduler_cls=preft.serving.SCHEDULER_CLS``). It runs in the engine-core process and asks
 the plain-Python policies of :mod:`preft.serving.scheduling` each step (below).
 

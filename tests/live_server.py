@@ -19,7 +19,7 @@ from peft import PeftModel, get_peft_model
 
 import preft
 from conftest import load_base, strengthen_reft
-from preft.serving.server_process import start_server, stop_server
+from preft.eval.harness.server_process import start_server, stop_server
 from preft.export import export_adapter
 
 NEW_TOKENS = 6

@@ -2,7 +2,7 @@
 
 import pytest
 
-from preft.eval import bench_lora_ops
+from preft.eval.bench import lora_ops as bench_lora_ops
 from preft.serving.tile_plan import build_tile_plan
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from preft.cli import main as cli_main
-from preft.eval.bench_throughput import VARIANTS, command_line, summarize
+from preft.eval.bench.throughput import VARIANTS, command_line, summarize
 
 
 def test_ratios_are_paired_within_a_round_then_the_median_is_taken():

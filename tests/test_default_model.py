@@ -37,7 +37,7 @@ def test_default_model_learned_the_corpus(base_path, tokenizer):
 @pytest.mark.slow
 @torch.no_grad()
 def test_default_model_in_vllm_matches_hf(base_path, tokenizer):
-    from preft.serving.engine_driver import EngineProcess
+    from preft.eval.harness.engine_driver import EngineProcess
 
     new_tokens = 8
     with EngineProcess(base_path) as engine:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from preft.cli import main as cli_main
-from preft.eval import eval_loss, eval_report, eval_rl, eval_serve
+from preft.eval import loss as eval_loss, report as eval_report, rl as eval_rl, serve as eval_serve
 from preft.user_data import DataError
 
 

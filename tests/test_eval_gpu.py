@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from preft.cli import main as cli_main
-from preft.eval import eval_gpu
+from preft.eval import gpu as eval_gpu
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from preft.eval import eval_goodput, eval_profile
+from preft.eval import goodput as eval_goodput, profile as eval_profile
 from preft.serving.scheduling.cost_model import StepCostModel
 
 
@@ -69,7 +69,7 @@ def test_goodput_runs_the_simulator_and_the_real_engine_side_by_side(profile, tm
     for figure in ("goodput_sim.png", "goodput_engine.png"):
         assert (tmp_path / "goodput" / figure).stat().st_size > 1000
     # the report gathers the goodput section with both figures (and the docs copy points at its copies)
-    from preft.eval import eval_report
+    from preft.eval import report as eval_report
 
     eval_report.main(out=str(tmp_path), write_docs=True, docs_dir=str(tmp_path / "docs"))
     docs = (tmp_path / "docs" / "RESULTS.md").read_text()
@@ -80,7 +80,7 @@ def test_goodput_runs_the_simulator_and_the_real_engine_side_by_side(profile, tm
 
 @pytest.mark.slow
 def test_prefix_eval_measures_both_structures_and_a_shared_prefix_decode_batch(tmp_path):
-    from preft.eval import eval_prefix
+    from preft.eval import prefix as eval_prefix
 
     result = eval_prefix.main(parts="cost,decode-batch", waiting="20,60", model="default", batch=4,
                               prefix_tokens=64, out=str(tmp_path))

@@ -122,7 +122,7 @@ def test_the_closed_form_chunk_equals_the_binary_search():
 def test_preft_eval_pipeline_simulator_part(tmp_path):
     """`preft eval pipeline --no-engine`: every case's WavePP plan covers the uncached prompt and
     its TTFT is compared with every fixed chunk's; the table and figure are written."""
-    from preft.eval.eval_pipeline import main
+    from preft.eval.pipeline import main
 
     cost = StepCostModel([0.01, 0, 0, 0.002, 5e-4, 2e-5, 0.002, 0.02]).save(tmp_path / "cost.json")
     result = main(model="default", cost_model=str(cost), stages="2,4", prompts="1024,4096", fixed="128,512",

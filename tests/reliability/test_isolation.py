@@ -171,7 +171,7 @@ def test_poisoned_adapters_and_foreign_paths_cost_their_own_requests_only(tmp_pa
     and ReFT-P paths outside the store (one a real bundle, one nothing) are served in the same
     steps as base, LoRA-P and ReFT-P requests, then every good request again alone: each good one
     equals HF, in every step and after; the foreign paths fail alike."""
-    from preft.serving.engine_driver import EngineProcess
+    from preft.eval.harness.engine_driver import EngineProcess
 
     root = tmp_path_factory.mktemp("isolation")
     store_dir = root / "store"

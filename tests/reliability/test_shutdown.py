@@ -8,7 +8,7 @@ import time
 import openai
 import pytest
 
-from preft.serving.server_process import start_server, stop_server
+from preft.eval.harness.server_process import start_server, stop_server
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from preft.eval.eval_soak import main as soak
+from preft.eval.soak import main as soak
 
 
 @pytest.mark.slow

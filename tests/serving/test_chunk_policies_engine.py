@@ -28,7 +28,7 @@ from conftest import hf_greedy, load_base, strengthen_reft
 from preft.constants import ALL_PROJECTIONS
 from preft.data import pretraining_corpus
 from preft.export import export_adapter
-from preft.serving.engine_driver import EngineProcess
+from preft.eval.harness.engine_driver import EngineProcess
 from preft.serving.scheduling.cost_model import StepCostModel
 
 NEW_TOKENS = 12

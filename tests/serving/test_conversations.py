@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import preft
 from conftest import greedy_ids, load_base, strengthen_reft
 from preft.export import export_adapter
-from preft.serving.engine_driver import EngineProcess
+from preft.eval.harness.engine_driver import EngineProcess
 
 TURN1_TOKENS, TURN2_TOKENS = 200, 8
 ADAPTERS = {

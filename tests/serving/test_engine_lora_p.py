@@ -16,7 +16,7 @@ import preft
 from conftest import hf_greedy, load_base, strengthen_reft
 from preft.constants import ALL_PROJECTIONS
 from preft.export import export_adapter
-from preft.serving.engine_driver import EngineProcess
+from preft.eval.harness.engine_driver import EngineProcess
 
 NEW_TOKENS = 8
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 1 5 9 2 6 =", "the quiet", "a=7 b=2 c=9 d=4 ; c =", "sort 8 2 1 9 ="]

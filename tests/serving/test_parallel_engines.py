@@ -27,7 +27,7 @@ from preft.constants import ALL_PROJECTIONS
 from preft.data import pretraining_corpus
 from preft.export import export_adapter
 from preft.models import random_llama
-from preft.serving.engine_driver import EngineProcess
+from preft.eval.harness.engine_driver import EngineProcess
 
 NEW_TOKENS = 10
 CONFIGS = {

@@ -16,7 +16,7 @@ another fails; the exit status is non-zero if any part failed:
    each kernel timed against its torch reference on one prefill step's shape.
 3. ``throughput``: base / stock multi-LoRA (all-token, vLLM's punica kernels) / LoRA-P / ReFT-P
    at 1, 64 and 512 adapters, 512 prompts of 128 tokens, 128 output tokens, on the 0.5B model
-   (:mod:`preft.eval.bench_throughput`'s interleaved rounds; eager engines, as ``preft serve``
+   (:mod:`preft.eval.bench.throughput`'s interleaved rounds; eager engines, as ``preft serve``
    runs them).
 
 Writes ``OUT/gpu/results.json`` and ``OUT/gpu/gpu.md``; ``--write-docs`` also puts the section
@@ -126,7 +126,7 @@ def parity(model_name: str, root: Path, dtype: torch.dtype, device: str, toleran
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import preft  # noqa: F401 - registers the PreFT PEFT types
-    from preft.serving.engine_driver import EngineProcess
+    from preft.eval.harness.engine_driver import EngineProcess
 
     base, parameters = build_model(model_name, root, dtype)
     adapters = make_adapters(base, root, rank=16 if model_name != "tiny" else 4)
@@ -207,7 +207,7 @@ def throughput(model_name: str, root: Path, counts: list[int], prompts: int, pro
     from transformers import AutoTokenizer
 
     import preft
-    from preft.eval import bench_throughput as bench
+    from preft.eval.bench import throughput as bench
 
     base, parameters = build_model(model_name, root, torch.bfloat16 if engine_extra.get("dtype") == "bfloat16"
                                    else torch.float32)
@@ -280,7 +280,7 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
          prompts: int = 512, prompt_tokens: int = 128, output_tokens: int = 128,
          rounds: int = 2, tolerance: float = TOLERANCE, budget_s: float = 450.0, tiny: bool = False,
          allow_cpu: bool = False, write_docs: bool = False, out: str = "runs/gpu_check") -> dict[str, Any]:
-    from preft.eval.report import command_line, save_run, write_result
+    from preft.eval.results import command_line, save_run, write_result
 
     arguments = dict(locals())
     values = {name: arguments[name] for name in inspect.signature(main).parameters}
@@ -304,7 +304,7 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
     dtype = torch.bfloat16 if on_gpu else torch.float32
     # eager, as `preft serve` runs (ReFT-P's hooks are not captured by torch.compile or CUDA graphs)
     engine_extra = ({"dtype": "bfloat16", "gpu_memory_utilization": 0.85} if on_gpu else {"dtype": "float32"})
-    from preft.eval.bench_throughput import VARIANTS
+    from preft.eval.bench.throughput import VARIANTS
 
     variant_list = [v.strip() for v in variants.split(",") if v.strip()]
     if "base" not in variant_list or set(variant_list) - set(VARIANTS):
@@ -352,7 +352,7 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import add_flags
+    from preft.eval.results import add_flags
 
     add_flags(parser, main, [
         ("--parts", str, "comma-separated parts: parity, kernels, throughput"),

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from preft.eval import common
+
 HELD_OUT_EVERY = 4
 WARMUP_STEPS = 8
 
@@ -108,15 +110,6 @@ def _child(spec_path: str) -> None:
     Path(spec["phases"]).write_text(json.dumps(phases))
 
 
-def _model_dir(model: str, root: Path) -> str:
-    from preft.eval.bench_throughput import base_model_dir
-    from preft.recipes.common import resolve_model
-
-    if model in ("default", "512x8"):
-        return base_model_dir(model, root)
-    return resolve_model(model)
-
-
 def served_cost_model(model: str, model_dir: str, out: str | Path, tag: str) -> str:
     """``OUT/profile/cost_model_MODEL_served.json``, the cost model calibrated on a served engine
     under load; profiled first (``preft eval profile --served``) when it is missing."""
@@ -178,7 +171,7 @@ def fit_and_report(steps: list[dict], gaps: list[float], held_description: str, 
                                          "held_out_median_relative_error": statistics.median(errors),
                                          "held_out_p95_relative_error": percentile(errors, 95)})
     model_path = cost_model.save(profile_dir / f"cost_model_{file_stem}.json")
-    result = {"command": command, "label": label, "machine": _machine(), "steps": len(steps),
+    result = {"command": command, "label": label, "machine": common.machine(), "steps": len(steps),
               "held_out_steps": len(held), "median_relative_error": statistics.median(errors),
               "p95_relative_error": percentile(errors, 95), "gap_ms": 1e3 * gap_s,
               "cost_model": cost_model.to_json(), "cost_model_path": str(model_path), **extra}
@@ -204,20 +197,19 @@ def served_steps(model_dir: str, offline, chunk_list: list[int], max_len: int, r
     """A served engine's steps under load: ``preft serve --scheduler cycle:CHUNKS`` driven by
     ``vllm bench serve`` with a bursty timed trace at the offline model's capacity (busy and
     idle stretches: many batch sizes and contexts). ``(steps, gaps, rate)``."""
-    from preft.eval import eval_goodput
     from preft.serving.scheduling import workloads
 
     settings = {"max_len": max_len, "max_num_seqs": 64, "max_chunk": 2048, "max_num_batched_tokens": 2048 + 256,
                 "probe_requests": 600}
     # at the engine-alone capacity a served engine is overloaded in the bursts and idle between
     # them: its steps cover small and large batches and long contexts, as serving near capacity does
-    rate = eval_goodput.capacity(offline, "bursty", settings)
+    rate = common.capacity(offline, "bursty", settings)
     trace = workloads.write_trace(workloads.generate("bursty", requests, rate, seed=7, max_model_len=max_len),
                                   work_dir / "calibration.trace.jsonl")
     print(f"[profile] served: {requests} bursty requests at {rate:.1f} req/s through preft serve "
           f"--scheduler cycle:{','.join(map(str, chunk_list))}", flush=True)
     policy = ["--scheduler", "cycle:" + ",".join(map(str, chunk_list))]
-    _, steps = eval_goodput.serve_trace(model_dir, policy, trace, "calibration", work_dir, settings)
+    _, steps = common.serve_trace(model_dir, policy, trace, "calibration", work_dir, settings)
     gaps = [s["gap_s"] for s in steps if s.get("gap_s") is not None]
     kept = [{**s, "held_out": index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1}
             for index, s in enumerate(steps) if s["seconds"] > 0 and (s["n"] or s["c"])]
@@ -228,8 +220,8 @@ def main(model: str = "default", decodes: str = "0,1,2,4,8,16,32", chunks: str =
          repeats: int = 2, served: bool = False, served_requests: int = 400, out: str = "runs/eval") -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from preft.eval.eval_loss import parse_list
-    from preft.eval.report import command_line
+    from preft.eval.common import parse_list
+    from preft.eval.results import command_line
     from preft.serving.scheduling.cost_model import StepCostModel
 
     started = time.time()
@@ -238,7 +230,7 @@ def main(model: str = "default", decodes: str = "0,1,2,4,8,16,32", chunks: str =
         raise ValueError("--decodes must be >= 0, --chunks and --repeats >= 1, --served-requests >= 10")
     profile_dir = Path(out) / "profile"
     profile_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = _model_dir(model, profile_dir)
+    model_dir = common.model_dir(model, profile_dir)
     max_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     if max(chunk_list) > max_len - 24:
         raise ValueError(f"--chunks: {max(chunk_list)} does not fit the model's context of {max_len} tokens")
@@ -256,7 +248,7 @@ def main(model: str = "default", decodes: str = "0,1,2,4,8,16,32", chunks: str =
     print(f"[profile] {model}: {len(decode_list)} decode counts x {len(chunk_list)} chunks x {repeats} repeats "
           f"(engine log: {work / 'engine.log'})", flush=True)
     with open(work / "engine.log", "w") as log:
-        child = subprocess.run([sys.executable, "-m", "preft.eval.eval_profile", "--child", str(work / "spec.json")],
+        child = subprocess.run([sys.executable, "-m", "preft.eval.profile", "--child", str(work / "spec.json")],
                                env=env, stdout=log, stderr=subprocess.STDOUT)
     if child.returncode != 0:
         raise RuntimeError(f"the profiling engine failed (exit {child.returncode}); see {work / 'engine.log'}")
@@ -291,16 +283,8 @@ def main(model: str = "default", decodes: str = "0,1,2,4,8,16,32", chunks: str =
     return result
 
 
-def _machine() -> str:
-    import platform
-
-    import vllm
-
-    return f"{platform.machine()}, {os.cpu_count()} cores, vLLM {vllm.__version__}"
-
-
 def add_arguments(parser) -> None:
-    from preft.eval.report import add_flags
+    from preft.eval.results import add_flags
 
     parser.add_argument("--served", action="store_true",
                         help="also calibrate on a served engine under load (preft serve + vllm bench serve; the API "

@@ -4,7 +4,7 @@
 
 Same engine settings, same prompts (request i uses adapter i % N), the same exported bundles
 (rank 16 on every projection, random weights), for N = 1, 8, 64, 256. Each variant is one vLLM
-engine in its own long-lived process (:mod:`preft.serving.engine_driver`; the variants differ
+engine in its own long-lived process (:mod:`preft.eval.harness.engine_driver`; the variants differ
 in process-wide patches), with N_max + 1 adapter slots (LoRA and ReFT-P alike); all of them
 stay up and the driver alternates between them: per round, per N, every variant runs the same
 batch once, in an order rotated each round. Round 0 warms up (adapters loaded into the engines'
@@ -36,10 +36,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import preft
 from preft.constants import ALL_PROJECTIONS
 from preft.data import pretraining_corpus
-from preft.eval.report import REPO, default_of, write_result
+from preft.eval.results import REPO, default_of, write_result
 from preft.export import export_adapter
 from preft.models import larger_random_llama
-from preft.serving.engine_driver import EngineProcess
+from preft.eval.harness.engine_driver import EngineProcess
 
 TARGETS = list(ALL_PROJECTIONS)
 MODELS = {"default": "the embedded default model (1.7M parameters, hidden 192 x 4 layers)",
@@ -88,7 +88,7 @@ def prompts_of(tokenizer, count: int, prompt_tokens: int) -> list[str]:
 
 
 class Engine:
-    """One variant's engine (:class:`preft.serving.engine_driver.EngineProcess`), kept alive."""
+    """One variant's engine (:class:`preft.eval.harness.engine_driver.EngineProcess`), kept alive."""
 
     def __init__(self, name: str, settings: dict, spec: dict, tmp: Path) -> None:
         engine = {"max_num_seqs": len(spec["prompts"]), **spec.get("engine", {})}  # engine: e.g. GPU settings

@@ -41,41 +41,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-CAPACITY_SERVED = 0.95
+from preft.eval.common import capacity, serve_trace, simulate_policy
+
 
 
 def _parse(text: str, kind, name: str) -> list:
-    from preft.eval.eval_loss import parse_list
+    from preft.eval.common import parse_list
 
     return parse_list(str(text), kind, name)
-
-
-def simulate(cost_model, policy_name: str, work, settings: dict, tpot_s: float, record: bool = False):
-    from preft.serving.scheduling.chunk_policies import make_policy
-    from preft.serving.scheduling.simulator import Simulator
-
-    policy = make_policy(policy_name, cost_model=cost_model, tpot_s=tpot_s, max_chunk=settings["max_chunk"])
-    return Simulator(cost_model, policy, max_num_seqs=settings["max_num_seqs"],
-                     max_num_batched_tokens=settings["max_num_batched_tokens"], record_shapes=record).run(work)
-
-
-def capacity(cost_model, kind: str, settings: dict) -> float:
-    """The highest rate (req/s) vLLM's default policy serves in the simulator (see the module docstring)."""
-    from preft.serving.scheduling import workloads
-
-    def sustained(rate: float) -> bool:
-        work = workloads.generate(kind, settings["probe_requests"], rate, seed=99, max_model_len=settings["max_len"])
-        result = simulate(cost_model, "default", work, settings, tpot_s=1.0)
-        offered = work[-1].arrival_s - work[0].arrival_s  # the sample's own rate, not the nominal one
-        return result.clock_s - work[0].arrival_s <= offered / CAPACITY_SERVED
-
-    low, high = 0.0, 1.0
-    while sustained(high):
-        low, high = high, high * 2
-    for _ in range(12):
-        middle = (low + high) / 2
-        low, high = (middle, high) if sustained(middle) else (low, middle)
-    return low
 
 
 def targets(cost_model, kind: str, rate: float, settings: dict) -> dict[str, float]:
@@ -84,7 +57,7 @@ def targets(cost_model, kind: str, rate: float, settings: dict) -> dict[str, flo
     from preft.serving.scheduling.metrics import percentile
 
     work = workloads.generate(kind, settings["probe_requests"], 0.75 * rate, seed=98, max_model_len=settings["max_len"])
-    shapes = [s for s in simulate(cost_model, "default", work, settings, 1.0, record=True).step_shapes if s[0] > 0]
+    shapes = [s for s in simulate_policy(cost_model, "default", work, settings, 1.0, record=True).step_shapes if s[0] > 0]
     n = statistics.median(s[0] for s in shapes)
     x = statistics.median(s[2] for s in shapes)
     decode_step = cost_model(round(n), 0, round(x)) + cost_model.meta.get("gap_s", 0.0)
@@ -109,54 +82,12 @@ def run_simulations(cost_model, settings: dict) -> list[dict]:
                                           max_model_len=settings["max_len"])
                 for policy in settings["policies"]:
                     started = time.perf_counter()
-                    result = simulate(cost_model, policy, work, settings, tpot)
+                    result = simulate_policy(cost_model, policy, work, settings, tpot)
                     summary = result.summary(scale["ttft_s"], tpot)
                     rows.append({"workload": kind, "tpot_scale": tpot_scale, "load": load, "rate": load * rate0,
                                  "capacity": rate0, "policy": policy, "simulated_s": time.perf_counter() - started,
                                  **scale, **summary})
     return rows
-
-
-def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str, run_dir: Path,
-                settings: dict, vllm_extra: tuple[str, ...] = ()) -> tuple[list, list[dict]]:
-    """``preft serve`` with ``policy_args`` (``--scheduler ...``) and the step trace on, driven by
-    ``vllm bench serve --dataset-name timed_trace`` at ``trace``'s arrival times:
-    ``(per-request timings, the engine's steps)``. The warm-up's steps are not kept.
-    ``vllm_extra``: more vLLM arguments (e.g. ``--num-gpu-blocks-override N``)."""
-    from preft.eval.eval_serve import warm_up
-    from preft.serving.scheduling.metrics import RequestTiming
-    from preft.serving.server_process import start_server, stop_server
-
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    step_trace = run_dir / f"steps-{label}.jsonl"
-    step_trace.unlink(missing_ok=True)
-    args = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(settings["max_len"]),
-            "--kv-cache-gib", "1", *policy_args, "--", "--max-num-seqs", str(settings["max_num_seqs"]),
-            "--max-num-batched-tokens", str(settings["max_num_batched_tokens"]), *vllm_extra]
-    proc, url, _ = start_server(args, run_dir / "logs" / f"server-{label}.log", env={"PREFT_STEP_TRACE": str(step_trace)})
-    result_name = f"bench-{label}.json"
-    try:
-        warm_up(url, [model_dir], rounds=2)
-        step_trace.unlink(missing_ok=True)
-        count = sum(1 for line in trace.read_text().splitlines() if line.strip())
-        command = [sys.executable, "-m", "preft.eval.vllm_bench", "serve", "--backend", "openai",
-                   "--base-url", url, "--endpoint", "/v1/completions", "--model", model_dir,
-                   "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path", str(trace),
-                   "--num-prompts", str(count), "--save-result", "--save-detailed",
-                   "--result-dir", str(run_dir), "--result-filename", result_name, "--disable-tqdm",
-                   "--percentile-metrics", "ttft,tpot,itl,e2el"]
-        with open(run_dir / "logs" / f"bench-{label}.log", "w") as log:
-            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
-        if done.returncode != 0:
-            raise RuntimeError(f"vllm bench serve failed; see {run_dir / 'logs' / f'bench-{label}.log'}")
-    finally:
-        stop_server(proc)
-    bench = json.loads((run_dir / result_name).read_text())
-    timings = [RequestTiming(start, start + ttft, start + ttft + sum(itl), length)
-               for start, ttft, itl, length in zip(bench["start_times"], bench["ttfts"], bench["itls"],
-                                                   bench["output_lens"]) if ttft is not None and ttft > 0]
-    steps = [json.loads(line) for line in step_trace.read_text().splitlines()] if step_trace.exists() else []
-    return timings, steps
 
 
 def engine_runs(cost_model, cost_model_path: Path, model_dir: str, settings: dict, out: Path) -> dict[str, Any]:
@@ -201,7 +132,7 @@ def fidelity(cost_model, engine: dict[str, Any], settings: dict) -> dict[str, An
     for policy, run in engine["served"].items():
         row = {"policy": policy, "engine": run["summary"], "failed": run["failed"]}
         for label, model in (("profiled", cost_model), ("in_situ", in_situ)):
-            simulated = simulate(model, policy, engine["work"], settings, engine["tpot_s"])
+            simulated = simulate_policy(model, policy, engine["work"], settings, engine["tpot_s"])
             row[label] = simulated.summary(engine["ttft_s"], engine["tpot_s"])
             row[f"{label}_ttft_ms"] = sorted(1e3 * t.ttft_s for t in simulated.timings)
             row[f"{label}_tpot_ms"] = sorted(1e3 * t.tpot_s for t in simulated.timings if t.tpot_s is not None)
@@ -340,8 +271,10 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
          engine_load: float = 0.5, engine_requests: int = 300, out: str = "runs/eval") -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from preft.eval import eval_profile
-    from preft.eval.report import command_line
+    from preft.eval import common
+
+    from preft.eval import profile as eval_profile
+    from preft.eval.results import command_line
     from preft.serving.scheduling import workloads as workload_module
     from preft.serving.scheduling.chunk_policies import make_policy
     from preft.serving.scheduling.cost_model import StepCostModel
@@ -365,7 +298,7 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
         raise ValueError("--requests must be >= 10, --engine-requests >= 1 and every --loads > 0")
     goodput_dir = Path(out) / "goodput"
     goodput_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = eval_profile._model_dir(model, Path(out) / "profile")
+    model_dir = common.model_dir(model, Path(out) / "profile")
     if cost_model is None:  # the served calibration: the engine as vllm bench serve meets it
         cost_model = eval_profile.served_cost_model(model, model_dir, out, "goodput")
     model_cost = StepCostModel.load(cost_model)
@@ -376,7 +309,7 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
     rows = run_simulations(model_cost, settings)
     result: dict[str, Any] = {"command": command_line("goodput", main, values, always=("model",)), "model": model,
                               "cost_model": cost_model, "cost_model_weights": model_cost.weights,
-                              "machine": eval_profile._machine(), "settings": settings, "simulation": rows}
+                              "machine": common.machine(), "settings": settings, "simulation": rows}
     load_shown = min(settings["loads"], key=lambda load: abs(load - 0.75))
     markdown = [f"## Goodput: SLOWeave vs fixed prefill chunks (`preft eval goodput`)\n",
                 f"![simulated goodput](goodput_sim.png)\n",
@@ -414,7 +347,7 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import add_flags
+    from preft.eval.results import add_flags
 
     add_flags(parser, main, [
         ("--model", str, "base model: '512x8' (a random-init 27M Llama built here), 'default' or a local directory"),

@@ -18,7 +18,7 @@ vLLM's preemption and prefix-cache-hit counters (engine
 setting ``disable_log_stats=False``). The child prints vLLM's logs to the log file and our
 answers behind :data:`MARKER` on stdout.
 
-    python -m preft.serving.engine_driver SPEC.json    (the child; SPEC = {"model": dir, "engine": {LLM kwargs}})
+    python -m preft.eval.harness.engine_driver SPEC.json    (the child; SPEC = {"model": dir, "engine": {LLM kwargs}})
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class EngineProcess:
         environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         environment.update(env or {})
         self.timeout_s = timeout_s
-        self.proc = subprocess.Popen([sys.executable, "-m", "preft.serving.engine_driver", str(spec)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "preft.eval.harness.engine_driver", str(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=environment)
         self._read()  # ready

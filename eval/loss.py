@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import preft
+from preft.eval.common import parse_list
 from preft.recipe_config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
@@ -42,16 +43,6 @@ METHODS = {
 LABELS = {"lora": "LoRA (all tokens)", "lora_p": "LoRA-P", "loreft_p": "LoReFT-P", "direft_p": "DiReFT-P"}
 EXACT_MATCH_MAX_TOKENS = 16
 EXACT_MATCH_ROWS = 64
-
-
-def parse_list(text: str, kind=int, name: str = "list") -> list:
-    try:
-        values = [kind(part) for part in str(text).split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--{name} {text!r} is not a comma-separated list of {kind.__name__}s") from None
-    if not values:
-        raise ValueError(f"--{name} is empty")
-    return values
 
 
 def run_config(method: str, rank: int, seed: int, args: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -103,7 +94,7 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path,
     from preft.recipes import sft
     from preft.recipes.common import resolve_resume
 
-    from preft.eval.report import run_dir_for
+    from preft.eval.results import run_dir_for
 
     run_dir = run_dir_for(runs, f"{method}-r{rank}-s{seed}", run_config(method, rank, seed, args, Path(".")))
     config = run_config(method, rank, seed, args, run_dir)
@@ -214,7 +205,7 @@ def main(model: str = "default", data: str | None = None, ranks: str = "1,4,16,6
 
     source = data or "the synthetic personalisation task (preft.data.user_examples, user 0)"
     title = f"held-out loss by rank: {Path(model_path).name}, {Path(data).name if data else 'synthetic task'}"
-    from preft.eval.report import command_line
+    from preft.eval.results import command_line
 
     given = {"model": model, "data": data, "ranks": ranks, "methods": methods, "steps": steps, "seeds": seeds,
              "eval_examples": eval_examples, "batch_size": batch_size, "learning_rate": learning_rate,
@@ -237,7 +228,7 @@ def main(model: str = "default", data: str | None = None, ranks: str = "1,4,16,6
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import add_flags
+    from preft.eval.results import add_flags
 
     add_flags(parser, main, [
         ("--model", str, "base model: 'default' (the embedded model) or a local HF Llama/Qwen2 directory"),

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import preft
 from preft.constants import ALL_PROJECTIONS
 from preft.data import encode_sft_batch, user_examples
-from preft.eval.report import default_of, publish, torch_machine
+from preft.eval.results import default_of, publish, torch_machine
 from preft.models import larger_random_llama
 
 TARGETS = list(ALL_PROJECTIONS)

@@ -121,7 +121,7 @@ def _decode_child(spec_path: str) -> None:
 def measure_decode_batch(model: str, out: Path, batch: int, prefix_tokens: int, repeats: int = 3) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from preft.eval.eval_profile import _model_dir
+    from preft.eval.common import model_dir as _model_dir
 
     work = out / "decode_batch"
     work.mkdir(parents=True, exist_ok=True)
@@ -139,7 +139,7 @@ def measure_decode_batch(model: str, out: Path, batch: int, prefix_tokens: int, 
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     env.pop("PREFT_SCHEDULER", None)
     with open(work / "engine.log", "w") as log:
-        child = subprocess.run([sys.executable, "-m", "preft.eval.eval_prefix", "--decode-child",
+        child = subprocess.run([sys.executable, "-m", "preft.eval.prefix", "--decode-child",
                                 str(work / "spec.json")], env=env, stdout=log, stderr=subprocess.STDOUT)
     if child.returncode != 0:
         raise RuntimeError(f"the decode-batch engine failed; see {work / 'engine.log'}")
@@ -172,9 +172,9 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
          conversation_rate: float = 4.0, out: str = "runs/eval") -> dict[str, Any]:
     import inspect
 
-    from preft.eval.eval_loss import parse_list
-    from preft.eval.eval_profile import _machine
-    from preft.eval.report import command_line
+    from preft.eval.common import parse_list
+    from preft.eval.common import machine as _machine
+    from preft.eval.results import command_line
 
     arguments = dict(locals())
     values = {name: arguments[name] for name in inspect.signature(main).parameters}
@@ -281,7 +281,7 @@ def render(result: dict) -> list[str]:
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import add_flags
+    from preft.eval.results import add_flags
 
     add_flags(parser, main, [
         ("--parts", str, "comma-separated, of cost (CHT vs radix selection), decode-batch (shared-prefix decode "

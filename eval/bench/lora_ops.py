@@ -27,7 +27,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from preft.eval.report import default_of, publish, torch_machine
+from preft.eval.results import default_of, publish, torch_machine
 from preft.serving import lora_ops
 from preft.serving.tile_plan import MAX_TILE_ROWS, build_tile_plan
 

@@ -1,4 +1,4 @@
-"""`preft eval soak`: the soak benchmark (:mod:`preft.eval.bench_soak`: a live server behind
+"""`preft eval soak`: the soak benchmark (:mod:`preft.eval.bench.soak`: a live server behind
 ``--api-key`` under mixed load, runtime loads and unloads and bad requests, every answer checked
 against HF) into the eval results directory.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from preft.eval import bench_soak
+from preft.eval.bench import soak as bench_soak
 
 
 def main(minutes: float = 3.0, concurrency: int = 16, seed: int = 0, out: str = "runs/eval") -> dict:
@@ -34,7 +34,7 @@ def main(minutes: float = 3.0, concurrency: int = 16, seed: int = 0, out: str = 
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import add_flags
+    from preft.eval.results import add_flags
 
     add_flags(parser, main, [
         ("--minutes", float, "how long the load runs"),

@@ -52,9 +52,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import preft
 from preft.constants import REFT_EXTRA_ARG
-from preft.eval.report import REPO, default_of, write_result
+from preft.eval.results import REPO, default_of, write_result
 from preft.export import export_adapter
-from preft.serving.server_process import start_server, stop_server
+from preft.eval.harness.server_process import start_server, stop_server
 
 API_KEY = "soak-key"
 NEW_TOKENS = 8
@@ -343,7 +343,7 @@ def soak_markdown(result: dict, picture: str) -> str:
         "## Soak: a live server under mixed load, runtime loads/unloads and bad requests",
         "",
         f"Command: `{result['command']}` ({result['machine']}; the embedded model in float32 behind `--api-key`, "
-        f"{result['concurrency']} concurrent clients for {result['minutes']} minutes; see `eval/bench_soak.py`).",
+        f"{result['concurrency']} concurrent clients for {result['minutes']} minutes; see `eval/bench/soak.py`).",
         "",
         f"![soak]({picture})",
         "",

@@ -41,6 +41,7 @@ from typing import Any
 
 import preft
 from preft.constants import ALL_PROJECTIONS
+from preft.eval.common import warm_up
 
 VARIANTS = {"preft": "PreFT (prompt tokens only)", "all-token": "all-token (standard multi-adapter)",
             "base": "base model alone"}
@@ -67,7 +68,7 @@ def parse_slo(text: str) -> dict[str, float]:
 
 def make_bundles(model_path: str, kind: str, count: int, rank: int, root: Path) -> list[str]:
     """``count`` bundles of ``kind`` with random weights (seeded by index), exported against the base."""
-    from preft.eval.bench_throughput import make_bundles as export_random
+    from preft.eval.bench.throughput import make_bundles as export_random
 
     if kind == "lora":
         def make():
@@ -104,24 +105,6 @@ def bench_serve(url: str, model_name: str, tokenizer: str, adapters: list[str], 
     return json.loads((result_dir / result_name).read_text())
 
 
-def warm_up(url: str, models: list[str], rounds: int = 4) -> None:
-    """Short requests for every model name, all at once, a few rounds, before timing: each adapter
-    is loaded into the engine and the first batched steps' one-time costs (buffers, weight copies)
-    are paid, so that neither variant's timed run pays them."""
-    import urllib.request
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(model: str) -> None:
-        body = json.dumps({"model": model, "prompt": "add 1 2 = add 3 4 = add 5 6 =", "max_tokens": 8}).encode()
-        request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:
-            response.read()
-
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        for _ in range(rounds):
-            list(pool.map(one, models * 4))
-
-
 def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings: dict[str, Any], out: Path,
                     with_base: bool) -> list[dict]:
     """Start ``preft serve`` for ``variant`` with ``bundles`` and run the benchmark for every adapter
@@ -131,7 +114,7 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     rotated each round; a row holds the median of each metric over the rounds and, for an adapter
     run, ``vs_base``: the median over rounds of its throughput over that round's base run (the
     machine's speed drifts: ratios are taken moments apart)."""
-    from preft.serving.server_process import start_server, stop_server
+    from preft.eval.harness.server_process import start_server, stop_server
 
     names = [f"{kind}{i}" for i in range(len(bundles))]
     args = ["--model", settings["model"], "--max-model-len", str(settings["input_len"] + settings["output_len"] + 8),
@@ -236,7 +219,7 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
          variants: str = "preft,all-token,base", request_rate: str = "inf", num_prompts: int = 128,
          input_len: int = 32, output_len: int = 64, max_concurrency: int = 0, slo: str = "ttft:2000,tpot:100",
          rounds: int = 3, seed: int = 0, out: str = "runs/eval") -> dict[str, Any]:
-    from preft.eval.eval_loss import parse_list
+    from preft.eval.common import parse_list
     from preft.recipes.common import resolve_model
 
     started = time.time()
@@ -304,7 +287,7 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import add_flags
+    from preft.eval.results import add_flags
 
     add_flags(parser, main, [
         ("--model", str, "base model: 'default' or a local HF Llama/Qwen2 directory"),

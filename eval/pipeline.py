@@ -30,7 +30,7 @@ from typing import Any
 
 
 def _parse(text: str, kind, name: str) -> list:
-    from preft.eval.eval_loss import parse_list
+    from preft.eval.common import parse_list
 
     return parse_list(str(text), kind, name)
 
@@ -105,8 +105,10 @@ def main(model: str = "512x8", cost_model: str | None = None, stages: str = "2,4
          engine: bool = True, engine_requests: int = 40, out: str = "runs/eval") -> dict[str, Any]:
     import inspect
 
-    from preft.eval import eval_profile
-    from preft.eval.report import command_line, save_run
+    from preft.eval import common
+
+    from preft.eval import profile as eval_profile
+    from preft.eval.results import command_line, save_run
     from preft.serving.scheduling.cost_model import StepCostModel
 
     arguments = dict(locals())
@@ -118,7 +120,7 @@ def main(model: str = "512x8", cost_model: str | None = None, stages: str = "2,4
         raise ValueError("--stages, --fixed, --min-chunk and --engine-requests must be >= 1, --prompts >= 2")
     pipeline_dir = Path(out) / "pipeline"
     pipeline_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = eval_profile._model_dir(model, Path(out) / "profile")
+    model_dir = common.model_dir(model, Path(out) / "profile")
     if cost_model is None:
         cost_model = eval_profile.served_cost_model(model, model_dir, out, "pipeline")
     model_cost = StepCostModel.load(cost_model)
@@ -128,7 +130,7 @@ def main(model: str = "512x8", cost_model: str | None = None, stages: str = "2,4
     print("[pipeline] simulator: streams", flush=True)
     streams = simulate_streams(model_cost, stage_list, max(prompt_list), fixed_list, min_chunk, max_chunk)
     plot(cases, pipeline_dir / "pipeline_sim.png")
-    result: dict[str, Any] = {"command": command_line("pipeline", main, values), "machine": eval_profile._machine(),
+    result: dict[str, Any] = {"command": command_line("pipeline", main, values), "machine": common.machine(),
                               "cost_model": cost_model, "cases": cases, "streams": streams}
     lines = ["## Pipeline-parallel prefill: WavePP vs fixed chunks (`preft eval pipeline`)\n",
              f"Command: `{result['command']}` ({result['machine']}); stage cost = the served step cost model "
@@ -160,7 +162,7 @@ def main(model: str = "512x8", cost_model: str | None = None, stages: str = "2,4
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import add_flags
+    from preft.eval.results import add_flags
 
     add_flags(parser, main, [
         ("--model", str, "base model: '512x8' (a random-init 27M Llama built here), 'default' or a local directory"),

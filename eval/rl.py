@@ -51,7 +51,7 @@ def run_config(method: str, rank: int, seed: int, steps: int, batch: int, model:
 def one_run(method: str, rank: int, seed: int, steps: int, batch: int, model: str, runs: Path) -> dict[str, Any]:
     from preft.recipes import grpo
 
-    from preft.eval.report import run_dir_for
+    from preft.eval.results import run_dir_for
 
     run_dir = run_dir_for(runs, f"{method}-r{rank}-s{seed}", run_config(method, rank, seed, steps, batch, model, Path(".")))
     config = run_config(method, rank, seed, steps, batch, model, run_dir)
@@ -110,7 +110,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main(methods: str = "lora,lora_p,reft_p", rank: int = 16, steps: int = 100, seeds: str = "0",
          batch_size: int = 64, model: str = "default", out: str = "runs/eval") -> dict[str, Any]:
-    from preft.eval.eval_loss import parse_list
+    from preft.eval.common import parse_list
     from preft.recipes.common import resolve_model
 
     started = time.time()
@@ -144,7 +144,7 @@ def main(methods: str = "lora,lora_p,reft_p", rank: int = 16, steps: int = 100, 
 
 
 def add_arguments(parser) -> None:
-    from preft.eval.report import add_flags
+    from preft.eval.results import add_flags
 
     add_flags(parser, main, [
         ("--methods", str, f"comma-separated, of {', '.join(METHODS)}"),

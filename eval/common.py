@@ -1,0 +1,140 @@
+"""Helpers that several ``preft eval`` commands share (one copy each).
+
+- :func:`parse_list`: a comma-separated flag value, checked;
+- :func:`model_dir`: the base model a command measures (``default``, ``512x8`` or a local directory);
+- :func:`machine`: the machine line every result records;
+- :func:`simulate_policy` and :func:`capacity`: a chunk policy in the simulator, and the highest
+  rate vLLM's default policy sustains there (``eval goodput`` and ``eval profile --served``);
+- :func:`warm_up` and :func:`serve_trace`: a real ``preft serve`` warmed up, and driven by
+  ``vllm bench serve --dataset-name timed_trace`` with the step trace on (``eval goodput``,
+  ``eval profile --served``, ``eval prefix``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+#: a rate is sustained when the simulator serves it within 1/0.95 of the time it was offered
+CAPACITY_SERVED = 0.95
+
+
+def parse_list(text: str, kind=int, name: str = "list") -> list:
+    try:
+        values = [kind(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} {text!r} is not a comma-separated list of {kind.__name__}s") from None
+    if not values:
+        raise ValueError(f"--{name} is empty")
+    return values
+
+
+def model_dir(model: str, root: Path) -> str:
+    """The base model's directory: the embedded default, a 512x8 random Llama saved under ``root``,
+    or a local directory."""
+    from preft.eval.bench.throughput import base_model_dir
+    from preft.recipes.common import resolve_model
+
+    if model in ("default", "512x8"):
+        return base_model_dir(model, root)
+    return resolve_model(model)
+
+
+def machine() -> str:
+    """``x86_64, 2 cores, vLLM 0.32.0``: what every result says it was measured on."""
+    import platform
+
+    import vllm
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, vLLM {vllm.__version__}"
+
+
+def simulate_policy(cost_model, policy_name: str, work, settings: dict, tpot_s: float, record: bool = False):
+    """``work`` through the simulator under the chunk policy ``policy_name`` (FCFS admission)."""
+    from preft.serving.scheduling.chunk_policies import make_policy
+    from preft.serving.scheduling.simulator import Simulator
+
+    policy = make_policy(policy_name, cost_model=cost_model, tpot_s=tpot_s, max_chunk=settings["max_chunk"])
+    return Simulator(cost_model, policy, max_num_seqs=settings["max_num_seqs"],
+                     max_num_batched_tokens=settings["max_num_batched_tokens"], record_shapes=record).run(work)
+
+
+def capacity(cost_model, kind: str, settings: dict) -> float:
+    """The highest rate (req/s) vLLM's default policy serves in the simulator (see the module docstring)."""
+    from preft.serving.scheduling import workloads
+
+    def sustained(rate: float) -> bool:
+        work = workloads.generate(kind, settings["probe_requests"], rate, seed=99, max_model_len=settings["max_len"])
+        result = simulate_policy(cost_model, "default", work, settings, tpot_s=1.0)
+        offered = work[-1].arrival_s - work[0].arrival_s  # the sample's own rate, not the nominal one
+        return result.clock_s - work[0].arrival_s <= offered / CAPACITY_SERVED
+
+    low, high = 0.0, 1.0
+    while sustained(high):
+        low, high = high, high * 2
+    for _ in range(12):
+        middle = (low + high) / 2
+        low, high = (middle, high) if sustained(middle) else (low, middle)
+    return low
+
+
+def warm_up(url: str, models: list[str], rounds: int = 4) -> None:
+    """Short requests for every model name, all at once, a few rounds, before timing: each adapter
+    is loaded into the engine and the first batched steps' one-time costs (buffers, weight copies)
+    are paid, so that neither variant's timed run pays them."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(model: str) -> None:
+        body = json.dumps({"model": model, "prompt": "add 1 2 = add 3 4 = add 5 6 =", "max_tokens": 8}).encode()
+        request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            response.read()
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        for _ in range(rounds):
+            list(pool.map(one, models * 4))
+
+
+def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str, run_dir: Path,
+                settings: dict, vllm_extra: tuple[str, ...] = ()) -> tuple[list, list[dict]]:
+    """``preft serve`` with ``policy_args`` (``--scheduler ...``) and the step trace on, driven by
+    ``vllm bench serve --dataset-name timed_trace`` at ``trace``'s arrival times:
+    ``(per-request timings, the engine's steps)``. The warm-up's steps are not kept.
+    ``vllm_extra``: more vLLM arguments (e.g. ``--num-gpu-blocks-override N``)."""
+    from preft.serving.scheduling.metrics import RequestTiming
+    from preft.eval.harness.server_process import start_server, stop_server
+
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    step_trace = run_dir / f"steps-{label}.jsonl"
+    step_trace.unlink(missing_ok=True)
+    args = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(settings["max_len"]),
+            "--kv-cache-gib", "1", *policy_args, "--", "--max-num-seqs", str(settings["max_num_seqs"]),
+            "--max-num-batched-tokens", str(settings["max_num_batched_tokens"]), *vllm_extra]
+    proc, url, _ = start_server(args, run_dir / "logs" / f"server-{label}.log", env={"PREFT_STEP_TRACE": str(step_trace)})
+    result_name = f"bench-{label}.json"
+    try:
+        warm_up(url, [model_dir], rounds=2)
+        step_trace.unlink(missing_ok=True)
+        count = sum(1 for line in trace.read_text().splitlines() if line.strip())
+        command = [sys.executable, "-m", "preft.eval.vllm_bench", "serve", "--backend", "openai",
+                   "--base-url", url, "--endpoint", "/v1/completions", "--model", model_dir,
+                   "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path", str(trace),
+                   "--num-prompts", str(count), "--save-result", "--save-detailed",
+                   "--result-dir", str(run_dir), "--result-filename", result_name, "--disable-tqdm",
+                   "--percentile-metrics", "ttft,tpot,itl,e2el"]
+        with open(run_dir / "logs" / f"bench-{label}.log", "w") as log:
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed; see {run_dir / 'logs' / f'bench-{label}.log'}")
+    finally:
+        stop_server(proc)
+    bench = json.loads((run_dir / result_name).read_text())
+    timings = [RequestTiming(start, start + ttft, start + ttft + sum(itl), length)
+               for start, ttft, itl, length in zip(bench["start_times"], bench["ttfts"], bench["itls"],
+                                                   bench["output_lens"]) if ttft is not None and ttft > 0]
+    steps = [json.loads(line) for line in step_trace.read_text().splitlines()] if step_trace.exists() else []
+    return timings, steps
