@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from preft.eval.common import capacity, serve_trace, simulate_policy
+from preft.eval.results import save_run
 
 
 
@@ -338,11 +339,8 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                      f"steps (in-situ).\n",
                      fidelity_table(fid), ""]
     result["wall_time_s"] = round(time.time() - started, 1)
-    (goodput_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    text = "\n".join(markdown)
-    (goodput_dir / "goodput.md").write_text(text)
-    print(text)
-    print(f"written: {goodput_dir / 'results.json'}, {goodput_dir / 'goodput.md'}, {goodput_dir / 'goodput_sim.png'}")
+    save_run(goodput_dir, "goodput", result, "\n".join(markdown),
+             also=tuple(goodput_dir / p for p in ("goodput_sim.png", "goodput_engine.png") if (goodput_dir / p).exists()))
     return result
 
 

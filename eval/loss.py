@@ -31,6 +31,7 @@ import torch
 import preft
 from preft.eval.common import parse_list
 from preft.recipe_config import load_config
+from preft.eval.results import save_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 #: method -> (recipe config, adapter section overrides for rank r), the all-token baseline first
@@ -216,13 +217,11 @@ def main(model: str = "default", data: str | None = None, ranks: str = "1,4,16,6
               "ranks": rank_list, "methods": method_list, "seeds": seed_list, "steps": steps,
               "runs": results, "wall_time_s": round(time.time() - started, 1)}
     loss_dir.mkdir(parents=True, exist_ok=True)
-    (loss_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     markdown = (f"## Held-out loss by rank\n\nCommand: `{result['command']}`. Data: {source} "
                 f"({len(train_set)} training rows, {len(held_out)} held out); {steps} steps per run, "
                 f"seeds {seed_list}.\n\n{table(results, method_list, rank_list)}\n")
-    (loss_dir / "loss.md").write_text(markdown)
     plot(results, method_list, rank_list, loss_dir / "loss_vs_rank.png", title)
-    print(markdown)
+    save_run(loss_dir, "loss", result, markdown, also=(loss_dir / "loss_vs_rank.png",))
     print(f"written: {loss_dir / 'results.json'}, {loss_dir / 'loss.md'}, {loss_dir / 'loss_vs_rank.png'}")
     return result
 

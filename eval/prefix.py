@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from preft.eval.results import save_run
 
 CHUNK_TOKENS = 256
 GROUPS = 20
@@ -227,11 +228,7 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
         kept = json.loads(previous.read_text())
         commands = {**kept.get("commands", {}), **result["commands"]}
         result = {**{k: v for k, v in kept.items() if k in PARTS}, **result, "commands": commands}
-    (prefix_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = "\n".join(render(result))
-    (prefix_dir / "prefix.md").write_text(text)
-    print(text)
-    print(f"written: {prefix_dir / 'results.json'}, {prefix_dir / 'prefix.md'}")
+    save_run(prefix_dir, "prefix", result, "\n".join(render(result)))
     return result
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from preft.eval import common
+from preft.eval.results import save_run
 
 HELD_OUT_EVERY = 4
 WARMUP_STEPS = 8
@@ -176,7 +177,6 @@ def fit_and_report(steps: list[dict], gaps: list[float], held_description: str, 
               "p95_relative_error": percentile(errors, 95), "gap_ms": 1e3 * gap_s,
               "cost_model": cost_model.to_json(), "cost_model_path": str(model_path), **extra}
     (profile_dir / f"steps_{file_stem}.json").write_text(json.dumps(steps) + "\n")
-    (profile_dir / f"profile_{file_stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(steps, check, profile_dir / f"profile_{file_stem}.png",
          f"{label}: step time, measured vs fitted (held-out median error {result['median_relative_error']:.0%})")
     weights = ", ".join(f"{f}: {1e3 * w:.4g}" for f, w in zip(cost_model.to_json()["features"], cost_model.weights))
@@ -186,9 +186,8 @@ def fit_and_report(steps: list[dict], gaps: list[float], held_description: str, 
                 f"{result['median_relative_error']:.1%}, p95 {result['p95_relative_error']:.1%}. Between steps the "
                 f"engine spends a median {result['gap_ms']:.2f} ms (the simulator adds it).\n\n"
                 f"Weights (ms per unit): {weights}.\n")
-    (profile_dir / f"profile_{file_stem}.md").write_text(markdown)
-    print(markdown)
-    print(f"written: {model_path}, {profile_dir / f'profile_{file_stem}.png'}")
+    save_run(profile_dir, f"profile_{file_stem}", result, markdown, json_name=f"profile_{file_stem}.json",
+             also=(model_path, profile_dir / f"profile_{file_stem}.png"))
     return result
 
 

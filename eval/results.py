@@ -37,18 +37,21 @@ def write_result(name: str, result: dict[str, Any], markdown: str, docs_dir: Pat
     return json_path
 
 
-def save_run(directory: Path, name: str, result: dict[str, Any], markdown: str, also: tuple[Path, ...] = ()) -> None:
-    """``DIRECTORY/results.json`` and ``DIRECTORY/NAME.md`` of one ``preft eval`` part, each written
-    atomically (a temp file renamed over it); the markdown printed, then what was written (and ``also``)."""
+def save_run(directory: Path, name: str, result: dict[str, Any], markdown: str, also: tuple[Path, ...] = (),
+             json_name: str = "results.json") -> None:
+    """``DIRECTORY/results.json`` (or ``json_name``) and ``DIRECTORY/NAME.md`` of one ``preft eval``
+    command, each written atomically (a temp file renamed over it); the markdown printed, then what
+    was written (and ``also``, the figures). Every ``preft eval`` command writes its results here."""
     import os
 
-    for path, text in ((directory / "results.json", json.dumps(result, indent=2, default=str) + "\n"),
+    directory.mkdir(parents=True, exist_ok=True)
+    for path, text in ((directory / json_name, json.dumps(result, indent=2, default=str) + "\n"),
                        (directory / f"{name}.md", markdown)):
         temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         temp.write_text(text)
         os.replace(temp, path)
     print(markdown)
-    print("written: " + ", ".join(str(p) for p in (directory / "results.json", directory / f"{name}.md", *also)))
+    print("written: " + ", ".join(str(p) for p in (directory / json_name, directory / f"{name}.md", *also)))
 
 
 def torch_machine() -> dict[str, str]:

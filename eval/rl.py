@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from preft.recipe_config import load_config
+from preft.eval.results import save_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 METHODS = {
@@ -132,12 +133,11 @@ def main(methods: str = "lora,lora_p,reft_p", rank: int = 16, steps: int = 100, 
                f"--batch-size {batch_size} --model {model}")
     result = {"command": command, "runs": results, "wall_time_s": round(time.time() - started, 1)}
     rl_dir.mkdir(parents=True, exist_ok=True)
-    (rl_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     markdown = (f"## GRPO: reward and held-out accuracy by method\n\nCommand: `{command}`. Verifiable arithmetic "
                 f"(reward 1 for the exact answer), rank {rank}, {steps} steps from the base model.\n\n"
                 f"{table(results, method_list)}\n")
-    (rl_dir / "rl.md").write_text(markdown)
     plot(results, rl_dir / "reward_vs_step.png", f"GRPO reward, rank {rank}, {steps} steps")
+    save_run(rl_dir, "rl", result, markdown, also=(rl_dir / "reward_vs_step.png",))
     print(markdown)
     print(f"written: {rl_dir / 'results.json'}, {rl_dir / 'rl.md'}, {rl_dir / 'reward_vs_step.png'}")
     return result

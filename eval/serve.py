@@ -42,6 +42,7 @@ from typing import Any
 import preft
 from preft.constants import ALL_PROJECTIONS
 from preft.eval.common import warm_up
+from preft.eval.results import save_run
 
 VARIANTS = {"preft": "PreFT (prompt tokens only)", "all-token": "all-token (standard multi-adapter)",
             "base": "base model alone"}
@@ -272,17 +273,14 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
     result = {"command": command, "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
               "vllm": vllm.__version__, "settings": {k: v for k, v in settings.items() if k != "timeout_s"},
               "rows": rows, "wall_time_s": round(time.time() - started, 1)}
-    (serve_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     markdown = (f"## Online serving: PreFT vs all-token vs base (`vllm bench serve`)\n\nCommand: `{command}` "
                 f"({result['machine']}, vLLM {result['vllm']}). With N adapters request i uses adapter i % N "
                 f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}. {rounds} rounds, every run once "
                 f"a round in a rotated order; each figure is the median over the rounds, and each ratio the median "
                 f"of per-round ratios to the base model on the same server at the same rate [their range].\n\n{table(rows)}\n")
-    (serve_dir / "serve.md").write_text(markdown)
     plot(rows, serve_dir / "serve.png", f"rank {rank}, {num_prompts} requests of {input_len}+{output_len} tokens "
                                         "per run")
-    print(markdown)
-    print(f"written: {serve_dir / 'results.json'}, {serve_dir / 'serve.md'}, {serve_dir / 'serve.png'}")
+    save_run(serve_dir, "serve", result, markdown, also=(serve_dir / "serve.png",))
     return result
 
 

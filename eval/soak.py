@@ -11,10 +11,10 @@ them with the rest (``preft bench soak`` is the same run, published to docs/RESU
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from preft.eval.bench import soak as bench_soak
+from preft.eval.results import save_run
 
 
 def main(minutes: float = 3.0, concurrency: int = 16, seed: int = 0, out: str = "runs/eval") -> dict:
@@ -24,12 +24,8 @@ def main(minutes: float = 3.0, concurrency: int = 16, seed: int = 0, out: str = 
     soak_dir.mkdir(parents=True, exist_ok=True)
     result, run = bench_soak.measure(minutes, concurrency, seed, log_path=soak_dir / "server.log")
     result["command"] = result["command"].replace("preft bench soak", "preft eval soak", 1)
-    (soak_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     bench_soak.plot(run, soak_dir / "soak.png", f"{result['command']}: {result['requests']} requests")
-    markdown = bench_soak.soak_markdown(result, "soak.png")
-    (soak_dir / "soak.md").write_text(markdown + "\n")
-    print(markdown)
-    print(f"written: {soak_dir / 'results.json'}, {soak_dir / 'soak.md'}, {soak_dir / 'soak.png'}")
+    save_run(soak_dir, "soak", result, bench_soak.soak_markdown(result, "soak.png") + "\n", also=(soak_dir / "soak.png",))
     return result
 
 
