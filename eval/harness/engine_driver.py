@@ -13,7 +13,9 @@ A request is ``{"prompt": str (or "prompt_token_ids": [ids]), "lora": [name, int
 HF's ``min_new_tokens``: the parity tests) or picked and ignored (``ignore_eos``: the throughput
 benchmark, which spares the logits processor). ``generate`` answers the
 generated token ids of every request and the seconds ``llm.generate`` took (timed in the
-engine's process); ``set_scheduler`` switches the prefill chunk policy and admission order; ``metrics`` answers
+engine's process); ``set_scheduler`` switches the prefill chunk policy and admission order;
+``reset_prefix_cache`` empties the prefix cache (an engine shared between tests starts each
+cold, as a fresh one would); ``metrics`` answers
 vLLM's preemption and prefix-cache-hit counters (engine
 setting ``disable_log_stats=False``). The child prints vLLM's logs to the log file and our
 answers behind :data:`MARKER` on stdout.
@@ -95,6 +97,10 @@ class EngineProcess:
         """``{"preemptions": n, "prefix_hits": tokens}`` (needs ``disable_log_stats=False``)."""
         return self._ask({"metrics": True})
 
+    def reset_prefix_cache(self) -> dict:
+        """Empty the prefix cache (nothing may be running): ``{"reset": True}``."""
+        return self._ask({"reset_prefix_cache": True})
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -138,6 +144,9 @@ def _serve(spec: dict) -> None:
             admission = core.scheduler.admission
             _reply({"scheduler": core.scheduler.chunk_policy.name,
                     "admission": admission.order.name if admission is not None else "fcfs"})
+            continue
+        if command.get("reset_prefix_cache"):
+            _reply({"reset": bool(llm.reset_prefix_cache())})
             continue
         if command.get("metrics"):
             metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}

@@ -16,7 +16,7 @@ import preft
 from conftest import hf_greedy, load_base, strengthen_reft
 from preft.constants import ALL_PROJECTIONS
 from preft.export import export_adapter
-from preft.eval.harness.engine_driver import EngineProcess
+from engine_pool import shared_pool
 
 NEW_TOKENS = 8
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 1 5 9 2 6 =", "the quiet", "a=7 b=2 c=9 d=4 ; c =", "sort 8 2 1 9 ="]
@@ -62,25 +62,30 @@ def requests_and_reference(bundles, base_path, tokenizer):
 
 
 def run_engine(base_path, tmp_path, requests, engine, rounds=1, new_tokens=NEW_TOKENS, metrics=None,
-               sequential=False, env=None):
-    """Greedy tokens of ``requests`` from a fresh engine (per round: the same batch again, hitting
-    the prefix cache). A request names its adapter and bundle; ``reft`` marks a ReFT-P bundle.
-    ``metrics`` (a dict) receives vLLM's counters (needs ``disable_log_stats=False``)."""
-    lora_ids: dict[str, int] = {}
+               sequential=False, env=None, log=None):
+    """Greedy tokens of ``requests`` from the session's engine of this configuration, its prefix
+    cache emptied first (:mod:`engine_pool`; per round: the same batch again, hitting the prefix
+    cache). A request names its adapter and bundle; ``reft`` marks a ReFT-P bundle. ``metrics``
+    (a dict) receives what vLLM's counters moved by (needs ``disable_log_stats=False``); ``log``
+    (a list) what the engine logged meanwhile."""
+    pool = shared_pool()
     driver_requests = []
     for request in requests:
         entry = {"prompt": request["prompt"]}
         if request.get("reft"):
             entry["reft"] = request["bundle"]
         elif request.get("adapter"):
-            lora_id = lora_ids.setdefault(request["adapter"], len(lora_ids) + 1)
-            entry["lora"] = [request["adapter"], lora_id, request["bundle"]]
+            entry["lora"] = [request["adapter"], pool.lora_id(request["bundle"]), request["bundle"]]
         driver_requests.append(entry)
-    with EngineProcess(base_path, engine, env=env, log_path=tmp_path / "engine.log") as driver:
-        results = [driver.generate(driver_requests, new_tokens, sequential=sequential)["tokens"]
-                   for _ in range(rounds)]
-        if metrics is not None:
-            metrics.update(driver.metrics())
+    driver = pool.get(base_path, engine, env=env)
+    before = driver.metrics() if metrics is not None else None
+    logged_from = len(driver.log_tail(chars=10**9))
+    results = [driver.generate(driver_requests, new_tokens, sequential=sequential)["tokens"] for _ in range(rounds)]
+    if log is not None:
+        log.append(driver.log_tail(chars=10**9)[logged_from:])
+    if metrics is not None:
+        after = driver.metrics()
+        metrics.update({key: after[key] - before[key] for key in after})
     return results
 
 
