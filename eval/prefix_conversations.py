@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import tempfile
 import statistics
 import time
 import urllib.request
@@ -165,35 +166,38 @@ def engine_rows(model_dir: str, work: list, settings: dict, out: Path) -> list[d
     from preft.eval.serve import make_bundles
     from preft.eval.harness.server_process import start_server, stop_server
 
-    bundles = make_bundles(model_dir, "lora", USERS, RANK, out / "bundles")
+    out.mkdir(parents=True, exist_ok=True)
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
     served_base = "base" if model_dir == preft.DEFAULT_BASE_MODEL else str(Path(model_dir))
     runs: dict[tuple[str, str], list[dict]] = {}
-    for server, variants in SERVERS.items():
-        args = ["--model", "default" if served_base == "base" else model_dir,
-                "--max-model-len", str(settings["max_len"]), "--max-adapters", str(USERS), "--max-rank", str(RANK),
-                *[a for i, bundle in enumerate(bundles) for a in ("--adapter", f"user{i}={bundle}")]]
-        args += ["--all-token"] if server == "all-token" else []
-        args += ["--", "--max-num-seqs", str(settings["max_num_seqs"]),
-                 "--num-gpu-blocks-override", str(settings["engine_blocks"])]
-        proc, url, _ = start_server(args, out / f"server-{server}.log")
-        try:
-            asyncio.run(play(url, "none", work[:USERS * 2], lambda s: s.adapter, vocab, seed=99))  # warm-up
-            for round_index in range(settings["engine_rounds"]):
-                shift = round_index % len(variants)
-                for variant in variants[shift:] + variants[:shift]:
-                    print(f"[prefix] conversations on the engine, round {round_index + 1}/{settings['engine_rounds']}"
-                          f": {variant} ({server} server), {len(work)} turns", flush=True)
-                    hits0, queries0 = prefix_cache_counters(url)
-                    turns = asyncio.run(play(url, "none", work, (lambda s: served_base) if variant == "base"
-                                             else (lambda s: s.adapter), vocab, seed=round_index))
-                    hits1, queries1 = prefix_cache_counters(url)
-                    row = turn_metrics([t["spec"] for t in turns], [t["ttft_s"] for t in turns],
-                                       [t["finish_s"] for t in turns], [t["output_tokens"] for t in turns])
-                    row["prefix_hit_rate"] = (hits1 - hits0) / max(1.0, queries1 - queries0)
-                    runs.setdefault((server, variant), []).append(row)
-        finally:
-            stop_server(proc)
+    # the bundles live as long as the servers (each copies them into its store): a rerun exports anew
+    with tempfile.TemporaryDirectory(prefix="preft-eval-conversations-") as bundle_root:
+        bundles = make_bundles(model_dir, "lora", USERS, RANK, Path(bundle_root))
+        for server, variants in SERVERS.items():
+            args = ["--model", "default" if served_base == "base" else model_dir,
+                    "--max-model-len", str(settings["max_len"]), "--max-adapters", str(USERS), "--max-rank", str(RANK),
+                    *[a for i, bundle in enumerate(bundles) for a in ("--adapter", f"user{i}={bundle}")]]
+            args += ["--all-token"] if server == "all-token" else []
+            args += ["--", "--max-num-seqs", str(settings["max_num_seqs"]),
+                     "--num-gpu-blocks-override", str(settings["engine_blocks"])]
+            proc, url, _ = start_server(args, out / f"server-{server}.log")
+            try:
+                asyncio.run(play(url, "none", work[:USERS * 2], lambda s: s.adapter, vocab, seed=99))  # warm-up
+                for round_index in range(settings["engine_rounds"]):
+                    shift = round_index % len(variants)
+                    for variant in variants[shift:] + variants[:shift]:
+                        print(f"[prefix] conversations on the engine, round {round_index + 1}/"
+                              f"{settings['engine_rounds']}: {variant} ({server} server), {len(work)} turns", flush=True)
+                        hits0, queries0 = prefix_cache_counters(url)
+                        turns = asyncio.run(play(url, "none", work, (lambda s: served_base) if variant == "base"
+                                                 else (lambda s: s.adapter), vocab, seed=round_index))
+                        hits1, queries1 = prefix_cache_counters(url)
+                        row = turn_metrics([t["spec"] for t in turns], [t["ttft_s"] for t in turns],
+                                           [t["finish_s"] for t in turns], [t["output_tokens"] for t in turns])
+                        row["prefix_hit_rate"] = (hits1 - hits0) / max(1.0, queries1 - queries0)
+                        runs.setdefault((server, variant), []).append(row)
+            finally:
+                stop_server(proc)
     rows = []
     for server, variants in SERVERS.items():
         for variant in variants:
@@ -253,8 +257,30 @@ def markdown(result: dict) -> list[str]:
                      f"{row['ttft_ms_p50_later']:.0f} ({row['later_ttft_vs_base']:.2f}x base) | "
                      f"{row['output_throughput']:.0f} | "
                      f"{row['vs_base']:.2f}x [{low:.2f}-{high:.2f}] | | {row['prefix_hit_rate']:.2f} |")
-    lines.append("")
+    lines += ["", *reading(result), ""]
     return lines
+
+
+def reading(result: dict) -> list[str]:
+    """What the table says, its numbers read off the result."""
+    sim = {row["variant"]: row for row in result["simulator"]}
+    text = (f"Under the rule a later turn prefills the previous answer again with the adapter on (its KV "
+            f"was computed with the adapter off, while decoding): in the simulator PreFT's later turns "
+            f"prefill {sim['preft']['prefilled_tokens_later']:.0f} of their {sim['preft']['prompt_tokens_later']:.0f} "
+            f"prompt tokens where the base model prefills {sim['base']['prefilled_tokens_later']:.0f} and all-token "
+            f"{sim['all-token']['prefilled_tokens_later']:.0f}; its cost model carries no adapter compute, so it "
+            f"shows the re-prefill alone.")
+    engine = {row["variant"]: row for row in result.get("engine", []) if row["variant"] != "base"}
+    if {"preft", "all-token"} <= set(engine):
+        bases = {row["server"]: row for row in result["engine"] if row["variant"] == "base"}
+        preft, every = engine["preft"], engine["all-token"]
+        text += (f" On the engine the prefix-cache hit rate is {preft['prefix_hit_rate']:.2f} for PreFT against "
+                 f"{bases['preft']['prefix_hit_rate']:.2f} for the base model; later-turn TTFT p50 is "
+                 f"{preft['later_ttft_vs_base']:.2f}x the base model's on the same server (all-token "
+                 f"{every['later_ttft_vs_base']:.2f}x), output throughput {preft['vs_base']:.2f}x base "
+                 f"[{preft['vs_base_range'][0]:.2f}-{preft['vs_base_range'][1]:.2f}] against all-token's "
+                 f"{every['vs_base']:.2f}x [{every['vs_base_range'][0]:.2f}-{every['vs_base_range'][1]:.2f}].")
+    return [text]
 
 
 def run(model: str, out: Path, conversations: int, conversation_rate: float, engine: bool, engine_blocks: int,

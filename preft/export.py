@@ -57,10 +57,9 @@ def reft_bundle_tensors(tensors: dict[str, torch.Tensor], config: dict, base: di
         if match is None or (match[2], match[3]) not in _REFT_PART:
             raise ExportError(f"unexpected tensor {key!r} in a ReFT adapter")
         out[f"layers.{int(match[1])}.{_REFT_PART[match[2], match[3]]}"] = tensor.float()
-    fields = {"intervention": config.get("intervention"), "rank": config.get("rank"),
-              "layers": sorted({int(key.split(".")[1]) for key in out})}
-    if "rank" not in config:
-        fields.pop("rank")
+    fields = {"intervention": config.get("intervention"), "layers": sorted({int(key.split(".")[1]) for key in out})}
+    if "rank" in config:  # (absent: check_reft names it)
+        fields["rank"] = config["rank"]
     check_reft(fields, out, base, max_rank)
     if fields["intervention"] == "loreft":
         out.update({key: orthonormal_rows(value) for key, value in out.items() if key.endswith(".proj")})

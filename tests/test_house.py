@@ -22,8 +22,8 @@ def module_imports(path: Path) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from .x import y, inside the package of path
-                base = ".".join(module_name(path).split(".")[: -node.level if path.name != "__init__.py"
-                                                                 else len(module_name(path).split(".")) - node.level + 1])
+                package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
                 found.add(f"{base}.{node.module}" if node.module else base)
             elif node.module:
                 found.add(node.module)

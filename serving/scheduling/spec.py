@@ -64,12 +64,11 @@ def split_scheduler_name(name: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class SchedulerSpec:
-    """A parsed ``--scheduler`` and its settings (see the module docstring). Build it with
-    :meth:`parse` or :meth:`from_json`, which check every field."""
+    """A parsed ``--scheduler`` and its settings (see the module docstring); its admission order
+    and chunk policy are read off the name. Build it with :meth:`parse` or :meth:`from_json`,
+    which check every field."""
 
     name: str = "default"
-    admission: str = "fcfs"
-    chunk_policy: str = "default"
     tpot_ms: float | None = None  # SLOWeave's TPOT target
     cost_model: str | None = None  # SLOWeave's and WavePP's step cost model (a file)
     max_chunk: int = 2048
@@ -78,6 +77,16 @@ class SchedulerSpec:
     stages: int = 1  # WavePP's pipeline stages (the engine's pipeline-parallel size)
     feather_state: str | None = None
     feather_max_wait_s: float | None = None
+
+    @property
+    def admission(self) -> str:
+        """The admission order the name gives (``fcfs`` when it names none)."""
+        return split_scheduler_name(self.name)[0]
+
+    @property
+    def chunk_policy(self) -> str:
+        """The prefill chunk policy the name gives (``default`` when it names none)."""
+        return split_scheduler_name(self.name)[1]
 
     @property
     def sloweave(self) -> bool:
@@ -98,11 +107,11 @@ class SchedulerSpec:
 
     @classmethod
     def parse(cls, name: str = "default", **settings) -> SchedulerSpec:
-        """The spec of ``name`` with ``settings`` (the fields after ``chunk_policy``), checked."""
+        """The spec of ``name`` with ``settings`` (the fields after ``name``), checked."""
         unknown = set(settings) - SETTINGS
         if unknown:
             raise ValueError(f"scheduler spec: unknown key(s) {sorted(unknown)} (known: {', '.join(sorted(SETTINGS))})")
-        admission, chunk_policy = split_scheduler_name(name)
+        admission = split_scheduler_name(name)[0]  # a bad name fails here
         settings = {key: value for key, value in settings.items() if value is not None}
         for key, low in (("tpot_ms", "> 0"), ("margin_ms", ">= 0"), ("feather_max_wait_s", "> 0"),
                          ("max_chunk", "> 0"), ("min_chunk", "> 0"), ("stages", "> 0")):
@@ -120,7 +129,7 @@ class SchedulerSpec:
                 raise ValueError(f"scheduler spec: {key} must be a file name, got {settings[key]!r}")
         if admission != "feather" and ("feather_state" in settings or "feather_max_wait_s" in settings):
             raise ValueError(f"the Feather state and age bound are Feather's; scheduler {name!r} has none")
-        return cls(name=name, admission=admission, chunk_policy=chunk_policy, **settings)
+        return cls(name=name, **settings)
 
     @classmethod
     def from_json(cls, data: dict) -> SchedulerSpec:
@@ -133,7 +142,7 @@ class SchedulerSpec:
     def to_json(self) -> dict:
         """What :meth:`from_json` reads back: the name and the settings that are set (WavePP's
         ``min_chunk`` and ``stages`` only for a WavePP policy, which alone reads them)."""
-        skipped = {"admission", "chunk_policy"} | (set() if self.wavepp else {"min_chunk", "stages"})
+        skipped = set() if self.wavepp else {"min_chunk", "stages"}
         return {key: value for key, value in asdict(self).items() if key not in skipped and value is not None}
 
     def with_stages(self, stages: int) -> SchedulerSpec:
@@ -141,4 +150,4 @@ class SchedulerSpec:
 
 
 #: the settings a spec may carry besides its name (``PREFT_SCHEDULER``'s keys, with ``name``)
-SETTINGS = frozenset(f.name for f in fields(SchedulerSpec)) - {"name", "admission", "chunk_policy"}
+SETTINGS = frozenset(f.name for f in fields(SchedulerSpec)) - {"name"}
