@@ -78,11 +78,14 @@ def exact_match(model_path: str, adapter_dir: str, held_out) -> float | None:
     rows = held_out.select(range(min(EXACT_MATCH_ROWS, len(held_out))))
     if not isinstance(rows[0]["prompt"], str):
         return None
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    from preft.families import model_load_kwargs
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")  # generate() continues each row's end
     answers = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in rows["completion"]]
     if statistics.median(len(a) for a in answers) > EXACT_MATCH_MAX_TOKENS:
         return None
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), adapter_dir).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_path, **model_load_kwargs(model_path))
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
     batch = tokenizer(list(rows["prompt"]), return_tensors="pt", padding=True)
     out = model.generate(**batch, max_new_tokens=max(len(a) for a in answers) + 1, do_sample=False)
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -230,7 +233,7 @@ def add_arguments(parser) -> None:
     from preft.eval.results import add_flags
 
     add_flags(parser, main, [
-        ("--model", str, "base model: 'default' (the embedded model) or a local HF Llama/Qwen2 directory"),
+        ("--model", str, "base model: 'default' (the embedded model) or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
         ("--data", str, "a local JSONL/Parquet/CSV file or directory (prompt/completion or messages); "
                         "default: the synthetic personalisation task"),
         ("--ranks", str, "comma-separated ranks"),

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import preft
-from preft.constants import ALL_PROJECTIONS
 from preft.eval.common import warm_up
 from preft.eval.results import save_run
 
@@ -73,7 +72,8 @@ def make_bundles(model_path: str, kind: str, count: int, rank: int, root: Path) 
 
     if kind == "lora":
         def make():
-            return preft.PreftLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(ALL_PROJECTIONS),
+            # every linear module of the decoder, whatever the family calls them (Phi-3's are packed)
+            return preft.PreftLoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                          init_lora_weights=False)
     else:
         def make():
@@ -288,7 +288,7 @@ def add_arguments(parser) -> None:
     from preft.eval.results import add_flags
 
     add_flags(parser, main, [
-        ("--model", str, "base model: 'default' or a local HF Llama/Qwen2 directory"),
+        ("--model", str, "base model: 'default' or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
         ("--adapters", str, "comma-separated adapter counts N (request i uses adapter i %% N)"),
         ("--rank", int, "adapter rank"),
         ("--kinds", str, f"comma-separated adapter kinds, of {', '.join(KINDS)}"),

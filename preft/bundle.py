@@ -33,12 +33,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from preft import envs
+from preft.families import FAMILIES, UnsupportedFamily, family_of
 from preft.rule import ALL_TOKEN, AdapterRule
 
 MANIFEST = "preft_manifest.json"
 BUNDLE_FORMAT = "preft-bundle/1"
-#: the base models' ``model_type`` a bundle may be exported for (decoders vLLM runs)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+#: the base models' ``model_type`` a bundle may be exported for: the families the tests cover
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 #: the files of a bundle besides its manifest, by kind (``preft export`` writes exactly these)
 BUNDLE_FILES = {"lora": ("adapter_config.json", "adapter_model.safetensors"), "reft": ("reft_weights.safetensors",)}
 INTERVENTIONS = ("loreft", "direft")
@@ -140,10 +141,10 @@ def base_fingerprint(base_dir: Path) -> dict[str, Any]:
     """What a bundle records about its base, and the shapes of the base's weights."""
     config = read_json(base_dir / "config.json", "base model config")
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise BundleError(
-            f"base model {base_dir} is a {model_type!r} model; PreFT serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        family_of(model_type, f"base model {base_dir}")
+    except UnsupportedFamily as err:
+        raise BundleError(str(err)) from None
     shapes: dict[str, tuple[int, ...]] = {}
     for weights in sorted(base_dir.glob("*.safetensors")):
         with safe_open(str(weights), "pt") as handle:

@@ -254,14 +254,42 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return None
 
 
+def layer_returns_stream(layer: nn.Module) -> bool:
+    """Whether a decoder layer returns the residual stream itself (a transformers layer, as vLLM's
+    Transformers backend runs them: OLMo 2 in vLLM 0.32) rather than vLLM's ``(hidden, residual)``
+    pair whose sum is the stream (vLLM's own model classes)."""
+    return type(layer).__module__.startswith("transformers.")
+
+
 def install_hooks(layers: nn.ModuleList, bank: ReftBank, step_plan) -> None:
-    """Hook every decoder layer: apply ``bank``'s edit to the rows of ``step_plan()``."""
+    """Hook every decoder layer: apply ``bank``'s edit to the rows of ``step_plan()``, to the
+    residual stream whichever way the layer returns it (:func:`layer_returns_stream`). A layer
+    whose output is neither form fails the step loudly: an edit skipped would be a wrong answer."""
     for index, layer in enumerate(layers):
-        def hook(module, inputs, output, layer_index=index):
-            plan = step_plan()
-            if plan is None or not isinstance(output, tuple) or output[1] is None:
+        if layer_returns_stream(layer):
+            def hook(module, inputs, output, layer_index=index):
+                plan = step_plan()
+                if plan is None:
+                    return output
+                stream = output[0] if isinstance(output, tuple) else output
+                if not isinstance(stream, torch.Tensor):
+                    raise RuntimeError(f"preft: {type(module).__name__} returned {type(stream).__name__}, "
+                                       "not the residual stream (ReFT-P hooks)")
+                rows = stream[0] if stream.dim() == 3 else stream  # the backend's batch of one: [1, tokens, d]
+                no_residual = rows.new_zeros(()).expand_as(rows)  # the stream is whole already
+                bank.apply(layer_index, rows, no_residual, plan)  # edits the rows in place
                 return output
-            hidden, residual = output
-            return bank.apply(layer_index, hidden, residual, plan), residual
+        else:
+            def hook(module, inputs, output, layer_index=index):
+                plan = step_plan()
+                if plan is None:
+                    return output
+                if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)):
+                    raise RuntimeError(f"preft: {type(module).__name__} no longer returns vLLM's (hidden, residual) "
+                                       "pair (ReFT-P hooks): this vLLM version needs a new hook")
+                hidden, residual = output
+                if residual is None:
+                    residual = hidden.new_zeros(()).expand_as(hidden)
+                return bank.apply(layer_index, hidden, residual, plan), output[1]
 
         layer.register_forward_hook(hook)

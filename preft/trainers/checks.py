@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from peft import PeftConfig, PeftModel
 
+from preft.families import model_load_kwargs
 from preft.tuners import PREFT_LORA, PREFT_REFT
+
+logger = logging.getLogger(__name__)
 
 #: PEFT types the trainers accept: the two PreFT methods and plain LoRA (the all-token baseline).
 SUPPORTED_PEFT_TYPES = (PREFT_LORA, PREFT_REFT, "LORA")
@@ -39,6 +43,27 @@ def check_model_path(model) -> None:
         path = Path(model)
         if not (path / "config.json").is_file():
             raise ValueError(f"model path {str(model)!r} does not exist or has no config.json")
+
+
+def load_as_served(model, args) -> None:
+    """A model given as a path loads with its family's attention (:func:`preft.families.model_load_kwargs`:
+    eager for Gemma 2, whose soft-capping transformers' SDPA path drops), so the adapter is trained
+    on the model vLLM serves; the user's own ``model_init_kwargs`` win. A loaded model that would
+    compute another attention is told once in the log."""
+    from preft.families import FAMILIES
+
+    if isinstance(model, (str, Path)):
+        wanted = model_load_kwargs(model)
+        if wanted:
+            args.model_init_kwargs = {**wanted, **(args.model_init_kwargs or {})}
+        return
+    config = getattr(model, "config", None)
+    family = FAMILIES.get(getattr(config, "model_type", "") or "")
+    used = getattr(config, "_attn_implementation", None)
+    if family and family.attn_implementation and used != family.attn_implementation:
+        logger.warning("this %s model computes attention with %r; vLLM serves it as transformers' %r does "
+                       "(load it with attn_implementation=%r to train the model that is served)",
+                       family.model_type, used, family.attn_implementation, family.attn_implementation)
 
 
 def check_dataset(dataset, columns: tuple[str, ...], name: str) -> None:

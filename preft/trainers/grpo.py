@@ -5,7 +5,7 @@ from __future__ import annotations
 from trl import GRPOConfig, GRPOTrainer
 
 from preft.trainers.checkpoints import OwnCheckpointRotation
-from preft.trainers.checks import check_dataset, check_model_path, peft_config_of
+from preft.trainers.checks import check_dataset, check_model_path, load_as_served, peft_config_of
 
 
 class PreftGRPOTrainer(OwnCheckpointRotation, GRPOTrainer):
@@ -32,6 +32,7 @@ class PreftGRPOTrainer(OwnCheckpointRotation, GRPOTrainer):
                 "the weights, so generated tokens would see it too. Leave use_vllm=False (HF generation)."
             )
         check_model_path(model)
+        load_as_served(model, args)
         self.preft_config = peft_config_of(model, peft_config)
         check_dataset(train_dataset, ("prompt",), "train_dataset")
         check_dataset(eval_dataset, ("prompt",), "eval_dataset")

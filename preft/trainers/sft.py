@@ -6,7 +6,7 @@ from trl import SFTConfig, SFTTrainer
 
 from preft.context import prompt_lengths_from_labels
 from preft.trainers.checkpoints import OwnCheckpointRotation
-from preft.trainers.checks import check_dataset, check_model_path, is_prefill_only, peft_config_of
+from preft.trainers.checks import check_dataset, check_model_path, load_as_served, is_prefill_only, peft_config_of
 
 
 class PreftSFTTrainer(OwnCheckpointRotation, SFTTrainer):
@@ -45,6 +45,7 @@ class PreftSFTTrainer(OwnCheckpointRotation, SFTTrainer):
         if args.assistant_only_loss:
             raise ValueError("assistant_only_loss is not supported: use prompt/completion data sets")
         check_model_path(model)
+        load_as_served(model, args)
         self.preft_config = peft_config_of(model, peft_config)
         check_dataset(train_dataset, ("prompt", "completion"), "train_dataset")
         eval_sets = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
