@@ -27,7 +27,7 @@ from family_models import FAMILY_NAMES, family_dir, load_family_model, load_fami
 from preft.data import pretraining_corpus
 from preft.export import export_adapter
 
-NEW_TOKENS = 40
+NEW_TOKENS = 24
 SHORT_PROMPTS = ["add 12 35 =", "reverse 3 1 4 1 5 9 2 6 = and some words past the sliding window"]
 #: chunked prefill (16 tokens a step), 4 requests at once, 5 KV blocks: the four 110-token
 #: requests at once need 8
