@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from family_models import family_dir
 from preft.cli import main as cli_main
 from preft.eval import loss as eval_loss, report as eval_report, rl as eval_rl, serve as eval_serve
 from preft.user_data import DataError
@@ -31,13 +32,15 @@ def sort_rows(count: int, seed: int = 0) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def eval_out(tmp_path_factory):
-    """One results directory with a tiny `eval loss` on a user JSONL and a tiny `eval serve`."""
+    """One results directory with a tiny `eval loss` on a user JSONL and a tiny `eval serve`, each
+    on a local model directory of another family than the embedded model's (Gemma 2: eager
+    attention; Phi-3: packed projections, which the benchmark's all-linear LoRA bundles target)."""
     root = tmp_path_factory.mktemp("eval")
     data = write_jsonl(root / "mine.jsonl", sort_rows(48))
-    loss = eval_loss.main(data=data, ranks="2,8", methods="lora,lora_p", steps=3, eval_examples=8, batch_size=4,
-                          out=str(root / "out"))
-    serve = eval_serve.main(adapters=2, rank=8, variants="preft,base", num_prompts=6, input_len=16, output_len=4,
-                            rounds=2, out=str(root / "out"))
+    loss = eval_loss.main(model=family_dir("gemma2"), data=data, ranks="2,8", methods="lora,lora_p", steps=3,
+                          eval_examples=8, batch_size=4, out=str(root / "out"))
+    serve = eval_serve.main(model=family_dir("phi3"), adapters=2, rank=8, variants="preft,base", num_prompts=6,
+                            input_len=16, output_len=4, rounds=2, out=str(root / "out"))
     return {"root": root, "out": root / "out", "data": data, "loss": loss, "serve": serve}
 
 
@@ -153,17 +156,16 @@ def test_eval_rl_runs_grpo_per_method_and_plots_the_reward(tmp_path):
 @pytest.mark.slow
 def test_eval_loss_reuses_finished_runs_and_retrains_when_an_input_changes(eval_out, capsys):
     """Last in the module: it rewrites the shared directory's loss results."""
-    again = eval_loss.main(data=eval_out["data"], ranks="2", methods="lora_p", steps=3, eval_examples=8,
-                           batch_size=4, out=str(eval_out["out"]))
+    tiny = {"model": family_dir("gemma2"), "ranks": "2", "methods": "lora_p", "steps": 3, "eval_examples": 8,
+            "batch_size": 4}
+    again = eval_loss.main(data=eval_out["data"], out=str(eval_out["out"]), **tiny)
     assert "done before, reused" in capsys.readouterr().out
     assert again["runs"][0] == next(r for r in eval_out["loss"]["runs"] if (r["method"], r["rank"]) == ("lora_p", 2))
     other = write_jsonl(eval_out["root"] / "other.jsonl", sort_rows(48, seed=5))
-    changed = eval_loss.main(data=other, ranks="2", methods="lora_p", steps=3, eval_examples=8, batch_size=4,
-                             out=str(eval_out["root"] / "out2"))
+    changed = eval_loss.main(data=other, out=str(eval_out["root"] / "out2"), **tiny)
     assert changed["runs"][0]["eval_loss"] != again["runs"][0]["eval_loss"]
     # another learning rate into the same directory: a run of its own, the first one left as it was
-    faster = eval_loss.main(data=eval_out["data"], ranks="2", methods="lora_p", steps=3, eval_examples=8,
-                            batch_size=4, learning_rate=0.05, out=str(eval_out["out"]))
+    faster = eval_loss.main(data=eval_out["data"], learning_rate=0.05, out=str(eval_out["out"]), **tiny)
     assert "done before" not in capsys.readouterr().out and "--learning-rate 0.05" in faster["command"]
     assert faster["runs"][0]["run_dir"] != again["runs"][0]["run_dir"]
     assert faster["runs"][0]["eval_loss"] != again["runs"][0]["eval_loss"]
