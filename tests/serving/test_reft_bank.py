@@ -71,3 +71,48 @@ def test_reft_plan_acquires_slots_only_for_active_tokens(bundles):
     slot = bank.slot_of[bundles[1]]
     assert plan.single_slot == slot and plan.rows.tolist() == [5, 6, 7]
     assert build_reft_plan(bank, [bundles[0]], np.array([9]), np.array([6]), np.array([1])) is None
+
+
+class PairLayer(torch.nn.Module):
+    """vLLM's convention: ``(hidden, residual)``, the stream their sum."""
+
+    def forward(self, x):
+        return 0.25 * x, 0.75 * x
+
+
+class StreamLayer(torch.nn.Module):
+    """A transformers decoder layer's convention (vLLM's Transformers backend): the stream itself."""
+
+    def forward(self, x):
+        return x.clone()
+
+
+StreamLayer.__module__ = "transformers.models.olmo2.modeling_olmo2"
+
+
+class MovedLayer(torch.nn.Module):
+    """A vLLM layer whose output changed shape: one tensor, not the pair."""
+
+    def forward(self, x):
+        return x.clone()
+
+
+def test_hooks_edit_the_stream_whichever_way_a_layer_returns_it(bundles):
+    from preft.serving.reft import install_hooks
+
+    torch.manual_seed(0)
+    stream = torch.randn(5, 192)
+    bank = ReftBank(4, 192, torch.device("cpu"), capacity=2)
+    expected = edit(ReftBank(4, 192, torch.device("cpu"), capacity=1), bundles[0], stream, 0)
+    slot = bank.acquire([bundles[0]])[bundles[0]]
+    plan = build_tile_plan(torch.full((5,), slot))
+    layers = [PairLayer(), StreamLayer(), MovedLayer()]
+    for layer in layers:  # each as layer 0 of a model, the layer the bundle edits
+        install_hooks(torch.nn.ModuleList([layer]), bank, lambda: plan)
+    hidden, residual = layers[0](stream)
+    torch.testing.assert_close(hidden + residual, expected)
+    torch.testing.assert_close(layers[1](stream), expected)
+    torch.testing.assert_close(layers[1](stream[None])[0], expected)  # the backend's [1, tokens, d]
+    with pytest.raises(RuntimeError, match="MovedLayer no longer returns vLLM's \\(hidden, residual\\) pair"):
+        layers[2](stream)
+    assert not torch.equal(expected, stream)  # the edit is there to be seen
