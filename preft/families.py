@@ -3,11 +3,13 @@
 A family is a transformers ``model_type``. What differs between families, for PreFT:
 
 - the decoder's linear modules (what a LoRA may target): Llama-style ``q/k/v/o_proj`` and
-  ``gate/up/down_proj``, or Phi-3's packed ``qkv_proj`` and ``gate_up_proj``
-  (:attr:`Family.projections`; ``target_modules="all-linear"`` resolves to the same through PEFT);
+  ``gate/up/down_proj``, or Phi-3's packed ``qkv_proj`` and ``gate_up_proj``; the recipes'
+  ``target_modules="all-linear"`` lets PEFT resolve them, and export checks them against the base;
 - how vLLM runs it: a native class (``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ...) or, for a
   family vLLM has no class for (OLMo 2 in vLLM 0.32), its Transformers backend, whose decoder
-  layers are the transformers ones (:attr:`Family.vllm_backend`).
+  layers are the transformers ones (the ReFT-P hooks tell the two apart:
+  :func:`preft.serving.reft.layer_returns_stream`);
+- the attention transformers must use to compute what vLLM computes (:attr:`Family.attn_implementation`).
 
 The families listed in :data:`FAMILIES` are the ones the test suite trains, exports and serves
 token-exact (``tests/test_families.py``, ``tests/serving/test_engine_families.py``);
@@ -23,17 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PACKED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
 @dataclass(frozen=True)
 class Family:
     model_type: str
-    #: the decoder-layer linear modules, by their names in the checkpoint
-    projections: tuple[str, ...]
-    #: "native" (a vLLM model class) or "transformers" (vLLM's Transformers backend)
-    vllm_backend: str
     #: settings of the tiny test model beyond the shared shape (see :func:`tiny_config`)
     tiny: tuple[tuple[str, object], ...] = ()
     #: the transformers attention that computes what vLLM computes, when the default does not
@@ -41,20 +35,24 @@ class Family:
     #: would follow another model than the one served)
     attn_implementation: str | None = None
 
+    def load_kwargs(self) -> dict:
+        """``from_pretrained`` / ``from_config`` keywords that load the family as vLLM serves it."""
+        return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
+
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", LLAMA_PROJECTIONS, "native"),
-    Family("qwen2", LLAMA_PROJECTIONS, "native"),
-    Family("qwen3", LLAMA_PROJECTIONS, "native"),
-    Family("mistral", LLAMA_PROJECTIONS, "native", (("sliding_window", 16),)),
-    Family("gemma2", LLAMA_PROJECTIONS, "native", (
+    Family("llama"),
+    Family("qwen2"),
+    Family("qwen3"),
+    Family("mistral", (("sliding_window", 16),)),
+    Family("gemma2", (
         ("sliding_window", 16), ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
         ("query_pre_attn_scalar", 32)), attn_implementation="eager"),
-    Family("gemma3_text", LLAMA_PROJECTIONS, "native", (
+    Family("gemma3_text", (
         ("sliding_window", 16), ("query_pre_attn_scalar", 32),
         ("layer_types", ["sliding_attention", "full_attention"] * 2))),
-    Family("phi3", PACKED_PROJECTIONS, "native"),
-    Family("olmo2", LLAMA_PROJECTIONS, "transformers"),
+    Family("phi3"),
+    Family("olmo2"),
 )}
 
 
@@ -79,7 +77,7 @@ def model_load_kwargs(model_dir) -> dict:
     config = Path(model_dir) / "config.json"
     model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
     family = FAMILIES.get(model_type or "")
-    return {"attn_implementation": family.attn_implementation} if family and family.attn_implementation else {}
+    return family.load_kwargs() if family else {}
 
 
 def tiny_config(model_type: str, vocab_size: int, bos_token_id: int = 0, eos_token_id: int = 1,
@@ -102,9 +100,8 @@ def tiny_model(model_type: str, vocab_size: int, seed: int = 0, **token_ids):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    attention = family_of(model_type).attn_implementation
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size, **token_ids), dtype=torch.float32,
-                                             **({"attn_implementation": attention} if attention else {}))
+                                             **family_of(model_type).load_kwargs())
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

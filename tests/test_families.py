@@ -20,10 +20,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import preft
 from conftest import strengthen_reft
 from family_models import FAMILY_NAMES, family_dir, load_family_model, load_family_tokenizer
-from preft.bundle import BundleError, SUPPORTED_ARCHITECTURES
+from preft.bundle import BundleError
 from preft.export import export_adapter
 from preft.cli import main as cli_main
-from preft.families import FAMILIES
 from test_prefill_generation import manual_greedy
 
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 1 5 9 2 6 = and some words past the sliding window of sixteen", "the quiet"]
@@ -40,11 +39,6 @@ def adapted(path, kind, seed=0):
     base = load_family_model(path)
     torch.manual_seed(seed)
     return strengthen_reft(get_peft_model(base, ADAPTERS[kind]())).eval()
-
-
-def test_the_supported_families_are_the_tested_ones():
-    assert SUPPORTED_ARCHITECTURES == tuple(FAMILIES) == tuple(FAMILY_NAMES)
-    assert len(FAMILY_NAMES) == 8
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from peft import PeftConfig, PeftModel
 
-from preft.families import model_load_kwargs
+from preft.families import FAMILIES, model_load_kwargs
 from preft.tuners import PREFT_LORA, PREFT_REFT
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,6 @@ def load_as_served(model, args) -> None:
     eager for Gemma 2, whose soft-capping transformers' SDPA path drops), so the adapter is trained
     on the model vLLM serves; the user's own ``model_init_kwargs`` win. A loaded model that would
     compute another attention is told once in the log."""
-    from preft.families import FAMILIES
-
     if isinstance(model, (str, Path)):
         wanted = model_load_kwargs(model)
         if wanted:
