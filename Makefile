@@ -16,7 +16,7 @@ else
   EXTRA := cpu
 endif
 
-.PHONY: install demo test bench eval gpu-check base-model clean
+.PHONY: install demo test test-families bench eval gpu-check base-model clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ demo: install
 
 test: install
 	WANDB_MODE=offline $(BIN)/python -m pytest -q --durations=15 tests
+
+# preft serve over HTTP on a local checkpoint of every model family (make test serves Qwen3's;
+# every family's engine path is in make test): about 10 minutes on 2 cores.
+test-families: install
+	WANDB_MODE=offline $(BIN)/python -m pytest -q -m family_servers tests/serving/test_family_server.py
 
 # Side-by-side benchmarks; each writes docs/results/NAME.json and its section of docs/RESULTS.md.
 bench: install

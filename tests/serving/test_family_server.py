@@ -1,15 +1,18 @@
-"""``preft serve`` on a hub-style checkpoint directory of another family, as a user runs it.
+"""``preft serve`` on a hub-style checkpoint directory of each family, as a user runs it.
 
-Qwen3 (q/k norms; its directory loads Qwen2's tokenizer, which splits digits one by one; bfloat16
-shards with an index; the chat template inside ``tokenizer_config.json``): ``preft serve --model
-DIR`` with its defaults (but ``--dtype float32``, for parity with HF), a LoRA-P and a ReFT-P
-bundle trained by ``preft train`` and exported by ``preft export``, asked through the ``openai``
-client on ``/v1/completions`` and ``/v1/chat/completions``. Every answer equals HF greedy (float32)
-on the prompt the server tokenized, which is the prompt HF's tokenizer of that directory makes
-(plain and chat-templated); the same LoRA weights all-token answer otherwise (control).
+For a family's directory (bfloat16 shards with an index; the chat template inside
+``tokenizer_config.json``; Qwen2/Qwen3 directories load Qwen2's tokenizer, which splits digits one
+by one): ``preft serve --model DIR`` with its defaults (but ``--dtype float32``, for parity with
+HF), a LoRA-P and a ReFT-P bundle trained by ``preft train`` and exported by ``preft export``,
+asked through the ``openai`` client on ``/v1/completions`` and ``/v1/chat/completions``. Every
+answer equals HF greedy (float32) on the prompt the server tokenized, which is the prompt HF's
+tokenizer of that directory makes (plain and chat-templated); the same LoRA weights all-token
+answer otherwise (control).
 
-One server start costs about 50 s on 2 cores, so one family is served this way; every family's
-engine path (the part that differs by family) is in ``test_engine_families.py``.
+One family's run costs about 80 s on 2 cores (two `preft train` runs and a server start of about
+50 s), so ``make test`` serves Qwen3 this way and ``make test-families`` serves all eight (the
+``family_servers`` marker, deselected by default); every family's engine path, the part that
+differs by family, is in ``test_engine_families.py`` in ``make test``.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from conftest import greedy_ids
 from family_models import family_dir, load_family_model, load_family_tokenizer
 from preft.cli import main as cli_main
 from preft.eval.harness.server_process import start_server, stop_server
+from preft.families import FAMILIES
 from test_engine_families import all_token_copy
 
-FAMILY = "qwen3"
+IN_MAKE_TEST = "qwen3"
 NEW_TOKENS = 8
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 =", "the quiet"]
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
@@ -43,8 +47,11 @@ def trained(recipe: str, path: str, out) -> str:
 
 
 @pytest.mark.slow
-def test_preft_serve_answers_a_family_checkpoint_token_exact(tmp_path):
-    path = family_dir(FAMILY)
+@pytest.mark.parametrize("family", [
+    family if family == IN_MAKE_TEST else pytest.param(family, marks=pytest.mark.family_servers)
+    for family in FAMILIES])
+def test_preft_serve_answers_a_family_checkpoint_token_exact(tmp_path, family):
+    path = family_dir(family)
     tokenizer = load_family_tokenizer(path)
     bundles = {"lora": trained("sft_lora_p.yaml", path, tmp_path / "lora"),
                "reft": trained("sft_reft_p.yaml", path, tmp_path / "reft")}
@@ -91,4 +98,5 @@ def test_preft_serve_answers_a_family_checkpoint_token_exact(tmp_path):
     assert any(references["lora", k] != references[None, k] for k in [*PROMPTS, "chat"])
     assert any(references["reft", k] != references[None, k] for k in [*PROMPTS, "chat"])
     assert any(references["lora", k] != references["lora_all_token", k] for k in [*PROMPTS, "chat"])
-    assert len(tokenizer("12", add_special_tokens=False)["input_ids"]) == 2  # Qwen2's tokenizer, not the project's
+    if family in ("qwen2", "qwen3"):  # Qwen2's tokenizer, not the project's
+        assert len(tokenizer("12", add_special_tokens=False)["input_ids"]) == 2
