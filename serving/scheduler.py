@@ -34,9 +34,16 @@ the plain-Python policies of :mod:`preft.serving.scheduling` each step (below).
   (Feather: batch size / step time, at the batch's first decode-only step); Feather's table is
   written to ``feather_state`` (atomically) every 30 s and at shutdown. Every running request
   decodes every step, as in vLLM and in the simulator: the batch is what admission made it.
-- ``PREFT_TRACE_SCHEDULER=FILE`` appends, per step, how many running requests and distinct
-  LoRA adapters there are (used by the tests); ``PREFT_STEP_TRACE=FILE`` one JSON line per step
-  with its shape and time (``preft eval profile`` fits the step cost model on it).
+- **Online step cost model** (SLOWeave, WavePP): each step's shape and time (schedule start to
+  output) go to the policy's :class:`~preft.serving.scheduling.online_cost_model.OnlineCostModel`,
+  which refits itself and bounds its own error; it is written to the spec's ``cost_state``
+  (``STATE_DIR/step_cost_online.json`` under ``preft serve --state-dir``) every 30 s and at
+  shutdown, where its report (fit, error quantiles, overhead) is logged.
+- ``PREFT_TRACE_SCHEDULER=FILE`` appends, per step, how many running requests and distinct LoRA
+  adapters among them there are, and how many distinct LoRA adapters the step's tokens run
+  with (the slots it uses; read by the tests and the slot-limited benchmarks); ``PREFT_STEP_TRACE=FILE`` one JSON line per step
+  with its shape and time, and the online cost model's prediction and bound for it
+  (``preft eval profile`` fits the step cost model on it).
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from preft.serving.prompt_end import rule_prompt_length
 from preft.serving.reft import reft_bundle_of, reft_slots
 from preft.serving.scheduling.admission import admission_from_spec
 from preft.serving.scheduling.chunk_policies import StepView, VllmDefault, policy_from_spec
+from preft.serving.scheduling.online_cost_model import online_model_of
 from preft.serving.scheduling.spec import SchedulerSpec
 
 logger = logging.getLogger(__name__)
@@ -122,7 +130,7 @@ class PreftScheduler(Scheduler):
         self.failed_unreported: list = []  # requests failed since the last output was made
         self.admission = None  # the AdmissionQueue when an admission order is set (None: vLLM's FCFS queue)
         self.feather_state: str | None = None
-        self.feather_saved_s = time.monotonic()
+        self.feather_saved_s = self.cost_saved_s = time.monotonic()
         self.set_policies(envs.PREFT_SCHEDULER)
         self.last_token_s: dict[str, float] = {}  # request id -> monotonic time of its latest token
         self.last_output_s: float | None = None
@@ -145,6 +153,8 @@ class PreftScheduler(Scheduler):
                            "(--max-num-batched-tokens): chunks stop at the budget", self.chunk_policy.name,
                            self.chunk_policy.max_chunk, self.max_num_scheduled_tokens)
         self.save_feather_state()  # the outgoing order's table, if it learned one
+        if getattr(self, "cost_learner", None) is not None:  # and the outgoing online cost model
+            self.save_cost_state()
         order = admission_from_spec(spec, cache=EnginePrefixCache(self.kv_cache_manager))
         if order is not None and not self.cache_config.enable_prefix_caching:
             raise ValueError(f"the {order.name} admission order keys requests by their prefix-cache blocks: "
@@ -152,6 +162,8 @@ class PreftScheduler(Scheduler):
         self.admission = AdmissionQueue(order, self) if order is not None else None
         self.waiting = self.admission if order is not None else create_request_queue(self.policy)
         self.feather_state = spec.feather_state
+        self.cost_learner = online_model_of(self.chunk_policy)  # SLOWeave's/WavePP's online cost model
+        self.cost_state = spec.cost_state if self.cost_learner is not None else None
         logger.info("preft: prefill chunk policy %s, admission %s", self.chunk_policy.name,
                     order.name if order is not None else "fcfs")
 
@@ -165,8 +177,22 @@ class PreftScheduler(Scheduler):
             logger.error("preft: cannot write the Feather state %s: %s", self.feather_state, err)
         self.feather_saved_s = time.monotonic()
 
+    def save_cost_state(self) -> None:
+        """The online step cost model to ``cost_state`` (atomically), when there is one."""
+        if self.cost_learner is None:
+            return
+        if self.cost_state is not None:
+            try:
+                self.cost_learner.save(self.cost_state)
+            except OSError as err:  # the server goes on; the model is kept in memory
+                logger.error("preft: cannot write the online step cost state %s: %s", self.cost_state, err)
+        self.cost_saved_s = time.monotonic()
+
     def shutdown(self) -> None:
         self.save_feather_state()
+        if self.cost_learner is not None:
+            self.save_cost_state()
+            logger.info("preft: online step cost model at shutdown: %s", json.dumps(self.cost_learner.report()))
         super().shutdown()
 
     def _free_request(self, request, *args, **kwargs):
@@ -207,8 +233,17 @@ class PreftScheduler(Scheduler):
         trace = envs.PREFT_TRACE_SCHEDULER
         if trace and self.running:
             adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+            active = set()  # the adapters this step's tokens run with (what holds a slot)
+            for request_id, scheduled in output.num_scheduled_tokens.items():
+                request = self.requests.get(request_id)
+                if request is None or request.lora_request is None:
+                    continue
+                first = request.num_computed_tokens - scheduled  # vLLM advanced it while scheduling
+                if bundle_rule(request.lora_request.lora_path).active_in(first, first + scheduled,
+                                                                         _rule_prompt_length(request)):
+                    active.add(request.lora_request.lora_int_id)
             with open(trace, "a") as handle:
-                handle.write(f"{len(self.running)} {len(adapters)}\n")
+                handle.write(f"{len(self.running)} {len(adapters)} {len(active)}\n")
         return output
 
     def new_step(self, now: float) -> SchedulerStep:
@@ -242,7 +277,8 @@ class PreftScheduler(Scheduler):
                 self.last_token_s[request_id] = now
         if len(self.last_token_s) > 2 * len(self.requests) + 64:  # forget finished requests
             self.last_token_s = {k: v for k, v in self.last_token_s.items() if k in self.requests}
-        if self.preft_step.started_s is None or not (self.step_trace or self.admission is not None):
+        if self.preft_step.started_s is None or not (self.step_trace or self.admission is not None
+                                                     or self.cost_learner is not None):
             return
         decodes = prefill = context = 0
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -255,6 +291,15 @@ class PreftScheduler(Scheduler):
                 decodes += 1
             else:
                 prefill += scheduled
+        seconds = now - self.preft_step.started_s
+        predicted = upper = None
+        if self.cost_learner is not None and scheduler_output.num_scheduled_tokens:
+            # what the model said of this step before it learns from it (the trace's error report)
+            predicted, upper = self.cost_learner(decodes, prefill, context), self.cost_learner.upper(decodes, prefill,
+                                                                                                    context)
+            self.cost_learner.observe(decodes, prefill, context, seconds)
+            if now - self.cost_saved_s > 30.0:
+                self.save_cost_state()
         if self.admission is not None:  # the order's reward for the batch that ran (Feather learns from it)
             self.admission.order.reward(len(scheduler_output.num_scheduled_tokens), now - self.preft_step.started_s,
                                         prefill)
@@ -265,7 +310,7 @@ class PreftScheduler(Scheduler):
         gap = None if self.last_output_s is None else self.preft_step.started_s - self.last_output_s
         with open(self.step_trace, "a") as handle:
             handle.write(json.dumps({"n": decodes, "c": prefill, "x": context,
-                                     "seconds": now - self.preft_step.started_s, "gap_s": gap,
+                                     "seconds": seconds, "gap_s": gap, "predicted_s": predicted, "upper_s": upper,
                                      "budget": self.preft_step.budget_given, "policy": self.chunk_policy.name,
                                      "admission": self.admission.order.name if self.admission is not None else "fcfs",
                                      "waiting": len(self.waiting), "running": len(self.running)}) + "\n")

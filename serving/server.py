@@ -45,6 +45,9 @@ def vllm_lora_rank(max_rank: int) -> int:
     return fitting[0]
 
 
+#: the online step cost model's state, in --state-dir (SLOWeave and WavePP)
+ONLINE_COST_STATE = "step_cost_online.json"
+
 #: vLLM server flags that ``preft serve`` sets itself -> the preft serve flag to use instead
 OWN_FLAGS = {
     "--tensor-parallel-size": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
@@ -131,8 +134,10 @@ def on_cpu() -> bool:
 def scheduler_spec(args) -> dict:
     """The prefill chunk policy and admission order for the engine (``PREFT_SCHEDULER``: a
     :class:`~preft.serving.scheduling.spec.SchedulerSpec` as JSON), checked now: a bad name, a
-    missing TPOT target, an unreadable cost model or Feather state is one error line before the
-    model loads."""
+    missing TPOT target, an unreadable cost model, online cost state or Feather state is one
+    error line before the model loads. SLOWeave and WavePP learn their step cost model online
+    (:mod:`~preft.serving.scheduling.online_cost_model`); with ``--state-dir`` it is kept in
+    ``STATE_DIR/step_cost_online.json`` and a restarted server goes on from it."""
     from preft.serving.scheduling.admission import admission_from_spec
     from preft.serving.scheduling.chunk_policies import policy_from_spec
 
@@ -145,12 +150,8 @@ def scheduler_spec(args) -> dict:
         name_only = SchedulerSpec.parse(args.scheduler)
     except ValueError as err:
         raise ValueError(f"--scheduler: {err}") from None
-    if name_only.sloweave and (args.tpot_ms is None or not args.cost_model):
-        raise ValueError("--scheduler sloweave needs --tpot-ms MS and --cost-model FILE (a step cost model of this "
-                         "machine and model: `preft eval profile --model M`)")
-    if name_only.wavepp and not args.cost_model:
-        raise ValueError("--scheduler wavepp needs --cost-model FILE (a step cost model of this machine and model: "
-                         "`preft eval profile --model M`)")
+    if name_only.sloweave and args.tpot_ms is None:
+        raise ValueError("--scheduler sloweave needs --tpot-ms MS (the time-per-output-token target)")
     if name_only.wavepp and args.pipeline_parallel_size < 2:
         raise ValueError("--scheduler wavepp sizes prefill chunks for pipeline stages: it needs "
                          "--pipeline-parallel-size 2 or more")
@@ -177,9 +178,12 @@ def scheduler_spec(args) -> dict:
         except OSError as err:
             raise ValueError(f"--feather-state {args.feather_state}: its directory is not writable "
                              f"({err.strerror or err})") from None
+    cost_state = None
+    if (name_only.sloweave or name_only.wavepp) and args.state_dir:  # what the online model learns outlives the server
+        cost_state = str(Path(args.state_dir).resolve() / ONLINE_COST_STATE)
     spec = SchedulerSpec.parse(
         args.scheduler, max_chunk=args.max_chunk, margin_ms=args.margin_ms, tpot_ms=args.tpot_ms,
-        cost_model=str(Path(args.cost_model).resolve()) if args.cost_model else None,
+        cost_model=str(Path(args.cost_model).resolve()) if args.cost_model else None, cost_state=cost_state,
         min_chunk=args.min_chunk if name_only.wavepp else None, feather_state=str(state) if state else None,
         feather_max_wait_s=args.feather_max_wait_s)
     try:
@@ -286,20 +290,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--adapter-root", default=None, metavar="DIR",
                         help="runtime loads may only read bundles under DIR (paths resolved, links followed)")
     parser.add_argument("--state-dir", default=None, metavar="DIR",
-                        help="where the server keeps its checked copies of the bundles it serves "
-                             "(default: a new temporary directory)")
+                        help="where the server keeps its checked copies of the bundles it serves, and SLOWeave's and "
+                             "WavePP's learned step cost model (default: a new temporary directory)")
     parser.add_argument("--scheduler", default="default",
                         help=f"{SCHEDULER_CHOICES}. 'default': vLLM's; 'fixed:TOKENS': at most TOKENS prefill tokens "
                              "a step; 'sloweave': the largest chunk predicted to meet the earliest decode deadline "
-                             "(needs --tpot-ms and --cost-model); 'wavepp': pipeline-sized chunks; 'lpm': most cached "
+                             "(needs --tpot-ms; its step cost model is learned online from the served steps); 'wavepp': "
+                             "pipeline-sized chunks; 'lpm': most cached "
                              "prefix first; 'feather': the CHT + ADD/STOP bandit")
     parser.add_argument("--tpot-ms", type=float, default=None, help="SLOWeave's time-per-output-token target (ms)")
     parser.add_argument("--cost-model", default=None, metavar="FILE",
-                        help="SLOWeave's step cost model, from `preft eval profile` on this machine and model")
+                        help="a step cost model (from `preft eval profile` on this machine and model) that seeds "
+                             "SLOWeave's and WavePP's online model; without it they start from a conservative prior "
+                             "and learn from the first steps")
     parser.add_argument("--max-chunk", type=int, default=2048,
                         help="SLOWeave's largest prefill chunk (tokens; default 2048)")
     parser.add_argument("--margin-ms", type=float, default=0.0,
-                        help="SLOWeave's safety margin on each predicted step time (ms; default 0)")
+                        help="a fixed safety margin on each predicted step time, on top of the online model's own "
+                             "error bound (ms; default 0)")
     parser.add_argument("--min-chunk", type=int, default=16,
                         help="WavePP's smallest prefill chunk (tokens; default 16)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,

@@ -54,7 +54,6 @@ def test_preft_serve_refuses_bad_parallel_and_wavepp_flags_in_one_line(tmp_path,
     for flags, message in ((["--tensor-parallel-size", "2"], "does not divide the model's 3 attention heads"),
                            (["--pipeline-parallel-size", "9"], "more than the model's 4 layers"),
                            (["--scheduler", "wavepp", "--cost-model", str(cost)], "needs --pipeline-parallel-size"),
-                           (["--scheduler", "wavepp", "--pipeline-parallel-size", "2"], "needs --cost-model"),
                            (["--scheduler", "fixed:64", "--cost-model", str(cost)], "does not use it")):
         assert main(["serve", *flags, "--port", "1"]) == 2
         err = capsys.readouterr().err
@@ -64,3 +63,7 @@ def test_preft_serve_refuses_bad_parallel_and_wavepp_flags_in_one_line(tmp_path,
     args.lora_adapters = []
     spec = json.loads(server_environment(args, tmp_path, {})["PREFT_SCHEDULER"])
     assert spec["name"] == "feather+sloweave+wavepp" and spec["min_chunk"] == 32
+    learned = build_parser().parse_args(["serve", "--scheduler", "wavepp", "--pipeline-parallel-size", "2"])
+    learned.lora_adapters = []  # no --cost-model: WavePP learns its cost model online
+    spec = json.loads(server_environment(learned, tmp_path, {})["PREFT_SCHEDULER"])
+    assert spec["name"] == "wavepp" and "cost_model" not in spec

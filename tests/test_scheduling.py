@@ -207,8 +207,19 @@ def test_preft_serve_checks_its_scheduler_flags_before_anything_starts(tmp_path,
     alone = build_parser().parse_args(["serve", "--scheduler", "feather"])
     alone.lora_adapters = []
     assert "--max-num-batched-tokens" not in vllm_arguments(alone, tmp_path)  # vLLM's chunking is kept
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    learned = build_parser().parse_args(["serve", "--scheduler", "sloweave", "--tpot-ms", "40", "--state-dir",
+                                         str(state_dir)])
+    learned.lora_adapters = []  # no --cost-model: SLOWeave learns one, kept in the state directory
+    spec = json.loads(server_environment(learned, tmp_path, {})["PREFT_SCHEDULER"])
+    assert spec == {"name": "sloweave", "max_chunk": 2048, "tpot_ms": 40.0, "margin_ms": 0.0,
+                    "cost_state": str(state_dir.resolve() / "step_cost_online.json")}
     (tmp_path / "junk.json").write_text("{}")
-    for flags, message in ((["--scheduler", "sloweave", "--tpot-ms", "40"], "needs --tpot-ms MS and --cost-model"),
+    (state_dir / "step_cost_online.json").write_text('{"format": "preft-online-step-cost/1", "steps": [[1, 2]]}')
+    for flags, message in ((["--scheduler", "sloweave"], "needs --tpot-ms MS"),
+                           (["--scheduler", "sloweave", "--tpot-ms", "40", "--state-dir", str(state_dir)],
+                            "online step cost state"),  # a corrupted state: one line, before start-up
                            (["--scheduler", "sloweave", "--tpot-ms", "40", "--cost-model", str(tmp_path / "junk.json")],
                             "not a step cost model"),
                            (["--scheduler", "fixed:0"], ">= 1"),

@@ -25,6 +25,7 @@ objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 UNLIMITED = 1 << 30
 
@@ -138,12 +139,22 @@ def policy_from_spec(spec):
     """The prefill chunk policy a scheduler spec names (:class:`~preft.serving.scheduling.spec.
     SchedulerSpec`, or its JSON: ``{"name": "sloweave", "tpot_ms": 25, "cost_model": FILE,
     "max_chunk": 2048, "margin_ms": 0}``, as ``preft serve --scheduler`` writes it); of a name
-    with an admission order too (``feather+sloweave``), its chunk part."""
+    with an admission order too (``feather+sloweave``), its chunk part.
+
+    SLOWeave and WavePP get an :class:`~preft.serving.scheduling.online_cost_model.OnlineCostModel`
+    that learns from the steps it is shown (``observe_step``): seeded by ``cost_model`` (a file)
+    or the conservative prior, continued from ``cost_state`` when that file exists."""
     from preft.serving.scheduling.cost_model import StepCostModel
+    from preft.serving.scheduling.online_cost_model import OnlineCostModel
     from preft.serving.scheduling.spec import SchedulerSpec
 
     spec = spec if isinstance(spec, SchedulerSpec) else SchedulerSpec.from_json(spec)
-    cost_model = StepCostModel.load(spec.cost_model) if spec.cost_model else None
+    cost_model = None
+    if spec.sloweave or spec.wavepp:
+        prior = StepCostModel.load(spec.cost_model) if spec.cost_model else OnlineCostModel.conservative_prior()
+        cost_model = OnlineCostModel(prior)
+        if spec.cost_state and Path(spec.cost_state).exists():
+            cost_model.restore(spec.cost_state)
     tpot_s = spec.tpot_ms / 1e3 if spec.tpot_ms is not None else None
     return make_policy(spec.chunk_policy, cost_model=cost_model, tpot_s=tpot_s, max_chunk=spec.max_chunk,
                        margin_s=spec.margin_ms / 1e3, stages=spec.stages, min_chunk=spec.min_chunk)

@@ -9,7 +9,8 @@ The engine it models is vLLM's continuous batching, step by step:
 3. Running requests are scheduled in admission order: a decode takes one token; a partial
    prefill takes what the token budget and the prefill budget leave. Waiting requests are then
    admitted while slots (``max_num_seqs``) and both budgets last.
-4. The step takes ``T(n_decodes, prefill_tokens, context_tokens)`` (the cost model). At its
+4. The step takes ``T(n_decodes, prefill_tokens, context_tokens)`` (the cost model; a policy's
+   online cost model is shown each step as it ran, as the engine's scheduler does). At its
    end every decode, and every prefill that completed its prompt, has one more token; the next
    step is decided ``gap_s`` later (the engine's measured time between a step's output and the
    next schedule, which the engine's SLOWeave also sees as time already gone).
@@ -24,6 +25,14 @@ capacity unless a prefix cache is given.
 With ``prefix_cache`` (:class:`.prefix_cache.PrefixCache`) a request's cached prefix blocks are
 not computed again and admission waits for KV blocks; with ``admission`` (:mod:`.admission`)
 the waiting requests join in that order (FCFS, LPM, Feather) instead of first come first served.
+
+With ``max_loras`` (vLLM's adapter slots) at most that many distinct adapters are held at once:
+a request holds its adapter's slot from its first prefill token while any of its positions is
+still active under its rule (``adapter_rules``, default all-token): a prefill-only request gives
+it back when its prompt is done, an all-token one at its last token. A waiting request whose
+adapter would be one slot too many is passed over for this step and stays in its place, as
+vLLM's scheduler skips it; ``step_adapters`` records, per step, the distinct adapters active in
+it.
 
 ``shared_context_cost`` (default 1: no effect) is what a decode's context token costs when
 another decode of the same step reads the same prompt block (a prefix-homogeneous batch reads
@@ -69,6 +78,7 @@ class SimulationResult:
     specs: list[RequestSpec] = field(default_factory=list)  # the request of each timing (a follow-up turn
     # with the arrival it was given)
     recomputed_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens it prefilled
+    step_adapters: list[int] = field(default_factory=list)  # distinct adapters active per step, when recorded
 
     def summary(self, ttft_s: float, tpot_s: float) -> dict:
         from preft.serving.scheduling.metrics import summarize
@@ -83,7 +93,7 @@ class Simulator:
     def __init__(self, cost_model: StepCostModel, policy, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, gap_s: float | None = None, record_shapes: bool = False,
                  admission=None, prefix_cache=None, adapter_rules: dict | None = None,
-                 shared_context_cost: float = 1.0) -> None:
+                 shared_context_cost: float = 1.0, max_loras: int | None = None) -> None:
         self.cost_model, self.policy = cost_model, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.gap_s = cost_model.meta.get("gap_s", 0.0) if gap_s is None else gap_s
@@ -94,11 +104,26 @@ class Simulator:
         if not 0.0 <= shared_context_cost <= 1.0:
             raise ValueError(f"shared_context_cost must be in [0, 1], got {shared_context_cost}")
         self.shared_context_cost = shared_context_cost
+        if max_loras is not None and max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        self.max_loras = max_loras
+
+    def holds_slot(self, request: _Running) -> bool:
+        """Whether ``request`` still needs its adapter: some position from ``computed`` on is active."""
+        from preft.rule import ALL_TOKEN
+
+        if request.spec.adapter is None:
+            return False
+        rule = self.adapter_rules.get(request.spec.adapter) or ALL_TOKEN
+        return rule.needs_adapter_from(request.computed, request.spec.prompt_tokens)
 
     def run(self, workload: list[RequestSpec]) -> SimulationResult:
         from preft.serving.scheduling.admission import FirstComeFirstServed
         from preft.serving.scheduling.prefix_cache import filled_keys, workload_keys
 
+        from preft.serving.scheduling.online_cost_model import online_model_of
+
+        learner = online_model_of(self.policy)
         cache = self.prefix_cache_factory() if self.prefix_cache_factory else None
         admission = self.admission_factory(cache) if self.admission_factory else FirstComeFirstServed()
         block = cache.block_tokens if cache else 16
@@ -118,6 +143,7 @@ class Simulator:
         running: list[_Running] = []
         timings: list[RequestTiming] = []
         shapes: list[tuple[int, int, int]] = []
+        step_adapters: list[int] = []
         now, steps = 0.0, 0
         waiting_tokens = 0  # prompt tokens of the waiting queue, kept as it changes (no rescan per step)
         while arrivals or waiting or running:
@@ -156,11 +182,20 @@ class Simulator:
                     token_budget -= chunk
                     prefill_budget -= chunk
                     context += request.computed
+            held = {r.spec.adapter for r in running if self.holds_slot(r)} if self.max_loras else set()
+            passed_over: list[str] = []
             while token_budget > 0 and prefill_budget > 0:
                 request_id = admission.candidate(now, len(running), self.max_num_seqs)
                 if request_id is None:
                     break
                 spec = specs[request_id]
+                if self.max_loras and spec.adapter is not None and spec.adapter not in held \
+                        and len(held) >= self.max_loras:  # no slot for its adapter: the next one may fit
+                    admission.take(request_id)
+                    passed_over.append(request_id)
+                    continue
+                if spec.adapter is not None:
+                    held.add(spec.adapter)
                 computed = 0
                 if cache is not None:
                     computed = cache.admit(keys[request_id], spec.prompt_tokens, spec.output_tokens)
@@ -175,6 +210,8 @@ class Simulator:
                 scheduled.append((request, chunk))
                 token_budget -= chunk
                 prefill_budget -= chunk
+            for request_id in reversed(passed_over):  # back in their places, as old as they were
+                admission.requeue(request_id, keys[request_id], specs[request_id].arrival_s)
             if not scheduled:  # nothing could run: a policy that starves prefill, or a cache too small
                 raise RuntimeError(f"policy {getattr(self.policy, 'name', self.policy)} scheduled nothing "
                                    f"at t={now:.3f}s with {len(waiting)} waiting and no decodes (a request "
@@ -183,11 +220,14 @@ class Simulator:
             c = sum(tokens for request, tokens in scheduled if request.prefilling)
             if self.record_shapes:
                 shapes.append((n, c, context))
+                step_adapters.append(len({r.spec.adapter for r, _ in scheduled if self.holds_slot(r)}))
             if self.shared_context_cost < 1.0:  # decodes reading one prompt block: the later readers cost less
                 blocks = [key for request, _ in scheduled if not request.prefilling
                           for key in keys[request.spec.request_id]]
                 context -= (1.0 - self.shared_context_cost) * (len(blocks) - len(set(blocks))) * block
             step_s = self.cost_model(n, c, context)
+            if learner is not None:  # an online cost model learns from the step, as in the engine
+                learner.observe(n, c, context, step_s)
             end = now + step_s  # the step's tokens exist at its end
             now = end + self.gap_s  # the next step is decided after the engine's gap
             steps += 1
@@ -219,4 +259,4 @@ class Simulator:
             running = still
         if follow_ups:  # they wait on a request the workload does not have
             raise ValueError(f"follow-up turns after requests not in the workload: {sorted(follow_ups)[:3]}")
-        return SimulationResult(timings, steps, now, shapes, finished_specs, recomputed)
+        return SimulationResult(timings, steps, now, shapes, finished_specs, recomputed, step_adapters)

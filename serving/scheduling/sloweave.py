@@ -5,13 +5,16 @@ For every active decode ``i`` the next token is due at ``d_i = last_token_time_i
 With ``n`` decodes in the step and ``x`` context tokens, the step's prefill chunk is
 
     B  = max(0, min_i d_i - now)
-    c* = max { c <= min(C_max, remaining prefill) :  T(n, c, x) + margin <= B }
+    c* = max { c <= min(C_max, remaining prefill) :  U(n, c, x) + margin <= B }
 
 found by binary search over ``c`` (``T`` is monotone in ``c``, :mod:`.cost_model`), so
 ``O(log C_max)`` model calls a step. No decodes: the whole remaining prefill, up to ``C_max``.
-No chunk fits (even ``T(n, 1, x)`` misses): ``0``, a decode-only step. With an accurate
-monotone ``T`` the chunk meets every active deadline and is the largest that does; with a
-one-sided error no larger than ``margin`` it still meets them.
+No chunk fits (even ``U(n, 1, x)`` misses): ``0``, a decode-only step. ``U`` is the cost
+model's upper bound: for an :class:`.online_cost_model.OnlineCostModel` (what ``preft serve``
+runs) ``T · (1 + q)``, with ``q`` the model's recent relative error on steps of this shape;
+for a plain :class:`.cost_model.StepCostModel`, ``T``. With an accurate monotone ``T`` the
+chunk meets every active deadline and is the largest that does; with a one-sided error no
+larger than the bound (plus the fixed ``margin``, default 0) it still meets them.
 
 The policy only sizes chunks; the simulator and :class:`preft.serving.scheduler.PreftScheduler`
 record the per-request last-token times it reads (:class:`.chunk_policies.StepView`).
@@ -31,6 +34,7 @@ class SLOWeave:
             raise ValueError(f"SLOWeave needs tpot > 0, max_chunk >= 1 and margin >= 0 "
                              f"(got {tpot_s}, {max_chunk}, {margin_s})")
         self.cost_model, self.tpot_s, self.max_chunk, self.margin_s = cost_model, tpot_s, max_chunk, margin_s
+        self.predict = getattr(cost_model, "upper", cost_model)  # U: the model's bound, or T itself
         self.name = "sloweave"
         self.model_calls = 0  # over the policy's life: the O(log C_max) claim is checked by the tests
 
@@ -48,7 +52,7 @@ class SLOWeave:
 
         def fits(chunk: int) -> bool:
             self.model_calls += 1
-            return self.cost_model(n, chunk, x) + self.margin_s <= budget
+            return self.predict(n, chunk, x) + self.margin_s <= budget
 
         if not fits(1):
             return 0

@@ -8,8 +8,9 @@ part optional, in any order (:data:`SCHEDULER_CHOICES`):
     sloweave+wavepp   ->  admission "fcfs",    chunk policy "sloweave+wavepp" (a deadline budget per
                                                step, pipeline-sized chunks inside it)
 
-The spec also holds the policies' settings (SLOWeave's ``tpot_ms``, ``cost_model``,
-``max_chunk``, ``margin_ms``; WavePP's ``min_chunk`` and ``stages``; Feather's
+The spec also holds the policies' settings (SLOWeave's ``tpot_ms``, ``cost_model`` (the
+online cost model's seed), ``cost_state`` (where it keeps what it learned), ``max_chunk``,
+``margin_ms``; WavePP's ``min_chunk`` and ``stages``; Feather's
 ``feather_state`` and ``feather_max_wait_s``). ``preft serve`` builds it from its flags
 (:func:`preft.serving.server.scheduler_spec`) and hands it to the engine as ``PREFT_SCHEDULER``
 (:meth:`SchedulerSpec.to_json`); the engine's :class:`~preft.serving.scheduler.PreftScheduler`
@@ -70,7 +71,8 @@ class SchedulerSpec:
 
     name: str = "default"
     tpot_ms: float | None = None  # SLOWeave's TPOT target
-    cost_model: str | None = None  # SLOWeave's and WavePP's step cost model (a file)
+    cost_model: str | None = None  # a step cost model file that seeds SLOWeave's and WavePP's online model
+    cost_state: str | None = None  # the online model's state file (read at start, written as it learns)
     max_chunk: int = 2048
     margin_ms: float = 0.0
     min_chunk: int = 16  # WavePP's
@@ -124,7 +126,7 @@ class SchedulerSpec:
                 raise ValueError(f"scheduler spec: {key} must be {'an integer' if integral else 'a number'} {low}, "
                                  f"got {value!r}")
             settings[key] = int(value) if integral else float(value)
-        for key in ("cost_model", "feather_state"):
+        for key in ("cost_model", "cost_state", "feather_state"):
             if key in settings and not isinstance(settings[key], str):
                 raise ValueError(f"scheduler spec: {key} must be a file name, got {settings[key]!r}")
         if admission != "feather" and ("feather_state" in settings or "feather_max_wait_s" in settings):

@@ -5,8 +5,8 @@ of 10 blocks of 128 tokens) serves:
 
 - one mixed batch (LoRA-P, LoRA-P starting at position 3, all-token LoRA, ReFT-P, the base
   model; short and 150-token prompts) under vLLM's default, fixed chunks and SLOWeave with a
-  tight and a very tight TPOT target. Every policy's greedy tokens equal the HF reference
-  (float32), and the engine's step trace shows each policy did what it says: fixed chunks never
+  tight and a very tight TPOT target, and with no cost model file (learned online). Every
+  policy's greedy tokens equal the HF reference (float32), and the engine's step trace shows each policy did what it says: fixed chunks never
   exceed their size, and SLOWeave runs decode-only steps while prefill waits when no chunk fits
   its deadline;
 - one prefix batch (prompts behind two shared 128-token system prompts, and prompts that grow
@@ -30,6 +30,7 @@ from preft.data import pretraining_corpus
 from preft.export import export_adapter
 from preft.eval.harness.engine_driver import EngineProcess
 from preft.serving.scheduling.cost_model import StepCostModel
+from preft.serving.scheduling.online_cost_model import OnlineCostModel
 
 NEW_TOKENS = 12
 TARGETS = list(ALL_PROJECTIONS)
@@ -78,6 +79,7 @@ POLICIES = [
     {"name": "fixed:16"},
     {"name": "fixed:3"},
     {"name": "sloweave", "tpot_ms": 500.0, "max_chunk": 64, "cost_model": "per_token"},
+    {"name": "sloweave", "tpot_ms": 400.0, "max_chunk": 64, "cost_state": "online"},  # no file: learned online
     {"name": "sloweave", "tpot_ms": 0.5, "cost_model": "synthetic"},  # no chunk fits beside a decode
 ]
 
@@ -100,6 +102,7 @@ def test_every_chunk_policy_gives_the_default_tokens(batch, engine):
     steps = {}
     for spec in POLICIES:
         spec = {**spec, "cost_model": cost_models[spec["cost_model"]]} if "cost_model" in spec else spec
+        spec = {**spec, "cost_state": str(trace.with_name("online_cost.json"))} if "cost_state" in spec else spec
         trace.unlink(missing_ok=True)
         name = driver.set_scheduler(spec)["scheduler"]
         tokens = driver.generate(requests, NEW_TOKENS)["tokens"]
@@ -119,6 +122,20 @@ def test_every_chunk_policy_gives_the_default_tokens(batch, engine):
     beside = [s for s in moderate if s["n"] > 0 and s["c"] > 0]
     assert beside and all(0 < s["budget"] < 64 for s in beside)  # sized by the deadline, under C_max
     assert all(s["c"] <= s["budget"] for s in moderate)
+    # SLOWeave with no cost model file: its online model left the conservative prior for a fit of
+    # this engine's steps (written when the next policy took over), which predicts them better
+    online = steps["sloweave@400.0"]
+    state = json.loads(trace.with_name("online_cost.json").read_text())
+    prior = OnlineCostModel.conservative_prior()
+    assert state["fits"] >= 1 and state["weights"] != prior.weights and 0 < len(state["steps"]) <= len(online)
+    assert all(s["c"] <= s["budget"] for s in online if s["budget"] is not None)
+    fitted = [s for s in online[len(online) // 2:] if s["c"] or s["n"]]
+
+    def median_error(predict):
+        errors = sorted(abs(predict(s) - s["seconds"]) / s["seconds"] for s in fitted)
+        return errors[len(errors) // 2]
+
+    assert median_error(lambda s: s["predicted_s"]) < median_error(lambda s: prior(s["n"], s["c"], s["x"]))
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +190,7 @@ def test_every_admission_order_gives_the_default_tokens(batch, prefix_batch, eng
     state = tmp_path / "feather.json"
     for spec in ADMISSION_ORDERS:
         spec = {**spec, "cost_model": cost_models[spec["cost_model"]]} if "cost_model" in spec else spec
+        spec = {**spec, "cost_state": str(trace.with_name("online_cost.json"))} if "cost_state" in spec else spec
         spec = {**spec, "feather_state": str(state)} if "feather_state" in spec else spec
         trace.unlink(missing_ok=True)
         before = driver.metrics()
