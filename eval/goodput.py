@@ -5,7 +5,8 @@ simulator on four workloads and on the real engine, with the simulator's gap to 
                        [--policies default,fixed:64,fixed:256,fixed:1024,fixed:2048,sloweave]
                        [--tpot-scales 2,5] [--loads 0.25,0.5,0.75,1,1.25] [--requests 2000]
                        [--engine-policies default,fixed:64,fixed:256,sloweave] [--engine-workload mixed]
-                       [--engine-load 0.5] [--engine-requests 300] [--out runs/eval]
+                       [--engine-load 0.5] [--engine-requests 300]
+                       [--engine-rounds R --engine-loads 0.5,0.75] [--engine-seeded] [--out runs/eval]
 
 **Scaled to this machine.** The step cost model is this machine's, calibrated on a served
 engine under load (``--cost-model``, default the one ``preft eval profile --served`` writes,
@@ -24,11 +25,19 @@ Goodput-vs-load curves in ``goodput_sim.png``.
 
 **Engine**: the ``--engine-workload`` at ``--engine-load`` as a ``timed_trace`` file, replayed
 by ``vllm bench serve`` at its arrival times against ``preft serve --scheduler P`` for each
-``--engine-policies`` (SLOWeave at the first TPOT target), with the scheduler's step trace on.
+``--engine-policies`` (SLOWeave at the first TPOT target, as a user starts it: no cost model
+file, its model learned online; ``--engine-seeded`` seeds it with the profile's), with the
+scheduler's step trace on.
 The same trace goes through the simulator twice: with the cost model (fitted on a separate
 calibration run, so these runs are held out), and with one refitted on the steps these served
 engines recorded (``in-situ``, the best a cost model of this form can do). The gap between
 engine and simulator goodput is reported per policy, and whether the policies rank the same.
+
+**Engine rounds** (``--engine-rounds R``, instead of that one run): every engine policy at every
+``--engine-loads`` on a fresh server each time, R rounds, each round a new trace and the
+policies in a rotated order; per round SLOWeave's goodput over the best other policy's, the
+median and range over rounds, the simulator's figure for the same traces beside it, and the
+online cost model's error on the steps it predicted (``goodput_rounds.png``).
 """
 
 from __future__ import annotations
@@ -109,14 +118,148 @@ def engine_runs(cost_model, cost_model_path: Path, model_dir: str, settings: dic
     for policy in settings["engine_policies"]:
         policy_args = ["--scheduler", policy]
         if policy == "sloweave":
-            policy_args += ["--tpot-ms", f"{1e3 * tpot:.3f}", "--cost-model", str(cost_model_path),
-                            "--max-chunk", str(settings["max_chunk"])]
+            policy_args += ["--tpot-ms", f"{1e3 * tpot:.3f}", "--max-chunk", str(settings["max_chunk"])]
+            if settings["engine_seeded"]:
+                policy_args += ["--cost-model", str(cost_model_path)]
         print(f"[goodput] engine: {policy} on {len(work)} {kind} requests at {rate:.1f} req/s", flush=True)
         timings, steps = serve_trace(model_dir, policy_args, trace, policy.replace(":", ""), engine_dir, settings)
         served[policy] = {"summary": summarize(timings, scale["ttft_s"], tpot), "failed": len(work) - len(timings),
                           "timings": timings, "steps": steps}
     return {"workload": kind, "capacity": rate0, "rate": rate, "tpot_s": tpot, "trace": str(trace), "work": work,
             **scale, "served": served}
+
+
+def online_step_error(steps: list[dict]) -> dict[str, Any] | None:
+    """The online cost model's error on the steps it predicted (the step trace's ``predicted_s``
+    and ``upper_s`` against the measured ``seconds``): median and p95 relative error, and how
+    often a step took longer than the bound SLOWeave planned with."""
+    from preft.serving.scheduling.metrics import percentile
+
+    known = [s for s in steps if s.get("predicted_s") and s["seconds"] > 0]
+    if not known:
+        return None
+    errors = [abs(s["predicted_s"] - s["seconds"]) / s["seconds"] for s in known]
+    return {"steps": len(known), "median": statistics.median(errors), "p95": percentile(errors, 95),
+            "over_bound": sum(s["seconds"] > s["upper_s"] for s in known) / len(known)}
+
+
+def run_engine_rounds(cost_model, cost_model_path: Path, model_dir: str, settings: dict, out: Path) -> dict[str, Any]:
+    """``--engine-rounds R``: every engine policy at every ``--engine-loads`` on a fresh ``preft
+    serve`` each time, R rounds (a new trace of the same workload and rate each round, the
+    policies in a rotated order), side by side with the simulator on the same traces. SLOWeave
+    runs as a user starts it: ``--scheduler sloweave --tpot-ms X`` and nothing else (its cost
+    model learned online; ``--engine-seeded`` gives it the profile's file as a seed)."""
+    from preft.serving.scheduling import workloads
+    from preft.serving.scheduling.metrics import summarize
+
+    kind, policies = settings["engine_workload"], settings["engine_policies"]
+    rate0 = capacity(cost_model, kind, settings)
+    scale = targets(cost_model, kind, rate0, settings)
+    tpot = settings["tpot_scales"][0] * scale["decode_step_s"]
+    runs_dir = out / "engine_rounds"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    total, done = len(settings["engine_loads"]) * settings["engine_rounds"] * len(policies), 0
+    for load in settings["engine_loads"]:
+        for round_index in range(settings["engine_rounds"]):
+            work = workloads.generate(kind, settings["engine_requests"], load * rate0, seed=100 + round_index,
+                                      max_model_len=settings["max_len"])
+            trace = workloads.write_trace(work, runs_dir / f"{kind}-{load:g}-r{round_index}.trace.jsonl")
+            shift = round_index % len(policies)
+            for policy in policies[shift:] + policies[:shift]:
+                policy_args = ["--scheduler", policy]
+                if policy == "sloweave":
+                    policy_args += ["--tpot-ms", f"{1e3 * tpot:.3f}"]
+                    if settings["engine_seeded"]:
+                        policy_args += ["--cost-model", str(cost_model_path)]
+                done += 1
+                print(f"[goodput] engine round {round_index + 1}/{settings['engine_rounds']}, load {load:g} "
+                      f"({load * rate0:.1f} req/s), {policy} [{done}/{total}]", flush=True)
+                label = f"{policy.replace(':', '')}-{load:g}-r{round_index}"
+                timings, steps = serve_trace(model_dir, policy_args, trace, label, runs_dir, settings)
+                engine = summarize(timings, scale["ttft_s"], tpot)
+                simulated = summarize(simulate_policy(cost_model, policy, work, settings, tpot).timings,
+                                      scale["ttft_s"], tpot)
+                rows.append({"load": load, "round": round_index, "policy": policy, "failed": len(work) - len(timings),
+                             "goodput": engine["goodput"], "slo_attainment": engine["slo_attainment"],
+                             "tpot_ms_p50": engine["tpot_ms_p50"], "tpot_ms_p99": engine["tpot_ms_p99"],
+                             "ttft_ms_p50": engine["ttft_ms_p50"], "simulated_goodput": simulated["goodput"],
+                             "online_step_error": online_step_error(steps) if policy == "sloweave" else None})
+    summary = {}
+    for load in settings["engine_loads"]:
+        at_load = [r for r in rows if r["load"] == load]
+        for policy in policies:
+            mine = [r for r in at_load if r["policy"] == policy]
+            ratios = []
+            for round_index in range(settings["engine_rounds"]):
+                others = [r["goodput"] for r in at_load if r["round"] == round_index and r["policy"] != policy
+                          and r["policy"] != "sloweave"]
+                own = next(r["goodput"] for r in mine if r["round"] == round_index)
+                if others and max(others) > 0:
+                    ratios.append(own / max(others))
+            goodputs = [r["goodput"] for r in mine]
+            sims = [r["simulated_goodput"] for r in mine]
+            summary[f"{policy}@{load:g}"] = {
+                "policy": policy, "load": load, "goodput": statistics.median(goodputs),
+                "goodput_range": [min(goodputs), max(goodputs)], "simulated_goodput": statistics.median(sims),
+                "vs_best_fixed": statistics.median(ratios) if ratios else None,
+                "vs_best_fixed_range": [min(ratios), max(ratios)] if ratios else None,
+                "tpot_ms_p99": statistics.median(r["tpot_ms_p99"] for r in mine),
+                "slo_attainment": statistics.median(r["slo_attainment"] for r in mine),
+                "failed": sum(r["failed"] for r in mine)}
+    return {"workload": kind, "capacity": rate0, "tpot_s": tpot, "ttft_s": scale["ttft_s"], "rows": rows,
+            "summary": summary}
+
+
+def plot_rounds(rounds: dict, path: Path, title: str) -> None:
+    """Goodput per policy at each load: the median over rounds, the range as an error bar, and
+    the simulator's figure for the same traces as a marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = list(rounds["summary"].values())
+    loads = sorted({e["load"] for e in entries})
+    policies = list(dict.fromkeys(e["policy"] for e in entries))
+    width = 0.8 / len(policies)
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for index, policy in enumerate(policies):
+        mine = [next(e for e in entries if e["policy"] == policy and e["load"] == load) for load in loads]
+        xs = [k + (index - (len(policies) - 1) / 2) * width for k in range(len(loads))]
+        medians = [e["goodput"] for e in mine]
+        errors = [[m - e["goodput_range"][0] for m, e in zip(medians, mine)],
+                  [e["goodput_range"][1] - m for m, e in zip(medians, mine)]]
+        ax.bar(xs, medians, width, yerr=errors, capsize=3, label=policy)
+        ax.plot(xs, [e["simulated_goodput"] for e in mine], "k_", markersize=12)
+    ax.set_xticks(range(len(loads)), [f"load {load:g}" for load in loads])
+    ax.set_ylabel("goodput (req/s), median of rounds")
+    ax.legend(fontsize=8, title="bars: engine; -: simulator", title_fontsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def rounds_table(rounds: dict, settings: dict) -> str:
+    lines = ["| load | policy | goodput engine, median [range] (req/s) | simulator | vs the best other fixed policy, "
+             "median [range] | SLO attainment | TPOT p99 (ms) |", "|---|---|---|---|---|---|---|"]
+    for entry in rounds["summary"].values():
+        ratio = entry["vs_best_fixed"]
+        ratio_text = (f"{ratio:.2f}x [{entry['vs_best_fixed_range'][0]:.2f}-{entry['vs_best_fixed_range'][1]:.2f}]"
+                      if ratio is not None else "-")
+        low, high = entry["goodput_range"]
+        lines.append(f"| {entry['load']:g} | {entry['policy']} | {entry['goodput']:.2f} [{low:.2f}-{high:.2f}] | "
+                     f"{entry['simulated_goodput']:.2f} | {ratio_text} | {entry['slo_attainment']:.0%} | "
+                     f"{entry['tpot_ms_p99']:.1f} |")
+    errors = [r["online_step_error"] for r in rounds["rows"] if r["online_step_error"]]
+    if errors:
+        lines += ["", f"SLOWeave's online cost model on its served steps ({sum(e['steps'] for e in errors)} steps, "
+                      f"{len(errors)} servers): median relative error "
+                      f"{statistics.median(e['median'] for e in errors):.0%}, p95 "
+                      f"{statistics.median(e['p95'] for e in errors):.0%}; steps longer than the bound it planned "
+                      f"with: {statistics.median(e['over_bound'] for e in errors):.1%} (median over servers)."]
+    return "\n".join(lines)
 
 
 def fidelity(cost_model, engine: dict[str, Any], settings: dict) -> dict[str, Any]:
@@ -269,7 +412,8 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
          policies: str = "default,fixed:64,fixed:256,fixed:1024,fixed:2048,sloweave", tpot_scales: str = "2,5",
          loads: str = "0.25,0.5,0.75,1,1.25", requests: int = 2000, max_num_seqs: int = 64,
          engine_policies: str = "default,fixed:64,fixed:256,sloweave", engine_workload: str = "mixed",
-         engine_load: float = 0.5, engine_requests: int = 300, out: str = "runs/eval") -> dict[str, Any]:
+         engine_load: float = 0.5, engine_requests: int = 300, engine_rounds: int = 0, engine_loads: str = "0.5,0.75",
+         engine_seeded: bool = False, out: str = "runs/eval") -> dict[str, Any]:
     from transformers import AutoConfig
 
     from preft.eval import common
@@ -289,7 +433,9 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                 "tpot_scales": _parse(tpot_scales, float, "tpot-scales"), "loads": _parse(loads, float, "loads"),
                 "engine_policies": _parse(engine_policies, str, "engine-policies") if engine_policies else [],
                 "requests": requests, "engine_requests": engine_requests, "engine_workload": engine_workload,
-                "engine_load": engine_load, "max_num_seqs": max_num_seqs, "probe_requests": min(requests, 1000)}
+                "engine_load": engine_load, "max_num_seqs": max_num_seqs, "probe_requests": min(requests, 1000),
+                "engine_rounds": engine_rounds, "engine_loads": _parse(engine_loads, float, "engine-loads"),
+                "engine_seeded": engine_seeded}
     for kind in settings["workloads"] + [engine_workload]:
         if kind not in workload_module.KINDS:
             raise ValueError(f"unknown workload {kind!r} (choose from {', '.join(workload_module.KINDS)})")
@@ -321,7 +467,23 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                 simulation_table(rows, settings, load_shown), ""]
     plot_simulation(rows, settings, goodput_dir / "goodput_sim.png",
                     f"simulated goodput vs load, {model} cost model ({Path(cost_model).name})")
-    if settings["engine_policies"]:
+    if settings["engine_policies"] and settings["engine_rounds"]:
+        rounds = run_engine_rounds(model_cost, Path(cost_model), model_dir, settings, goodput_dir)
+        result["engine_rounds"] = rounds
+        plot_rounds(rounds, goodput_dir / "goodput_rounds.png",
+                    f"{rounds['workload']} on the real engine, {engine_rounds} rounds, fresh servers")
+        markdown += [f"### On the real engine, side by side: {rounds['workload']}, {engine_requests} requests a "
+                     f"round, {engine_rounds} rounds\n",
+                     f"A fresh `preft serve --scheduler P` for every (load, round, policy), the policies in a rotated "
+                     f"order each round, every round a new trace at the load's rate (capacity "
+                     f"{rounds['capacity']:.1f} req/s in the simulator); SLOWeave as a user starts it, `--scheduler "
+                     f"sloweave --tpot-ms {1e3 * rounds['tpot_s']:.1f}`"
+                     + (" with the profile as a seed" if engine_seeded else " and no cost model file (learned online)")
+                     + f"; TTFT target {1e3 * rounds['ttft_s']:.0f} ms. The ratio is per round, against the best "
+                     f"of the other fixed policies in that round; the simulator runs the same traces with the "
+                     f"profiled cost model.\n", "![engine rounds](goodput_rounds.png)\n",
+                     rounds_table(rounds, settings), ""]
+    elif settings["engine_policies"]:
         engine = engine_runs(model_cost, Path(cost_model), model_dir, settings, goodput_dir)
         fid = fidelity(model_cost, engine, settings)
         plot_fidelity(fid, goodput_dir / "goodput_engine.png",
@@ -340,7 +502,8 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                      fidelity_table(fid), ""]
     result["wall_time_s"] = round(time.time() - started, 1)
     save_run(goodput_dir, "goodput", result, "\n".join(markdown),
-             also=tuple(goodput_dir / p for p in ("goodput_sim.png", "goodput_engine.png") if (goodput_dir / p).exists()))
+             also=tuple(goodput_dir / p for p in ("goodput_sim.png", "goodput_engine.png", "goodput_rounds.png")
+                        if (goodput_dir / p).exists()))
     return result
 
 
@@ -361,5 +524,10 @@ def add_arguments(parser) -> None:
         ("--engine-workload", str, "the workload run on the real engine"),
         ("--engine-load", float, "its rate as a fraction of capacity"),
         ("--engine-requests", int, "requests in the engine's trace"),
+        ("--engine-rounds", int, "with R > 0: every engine policy at every --engine-loads, R rounds on fresh servers, "
+                                 "instead of the one fidelity run"),
+        ("--engine-loads", str, "the loads of the rounds, as fractions of capacity"),
+        ("--engine-seeded", bool, "in the rounds, seed SLOWeave with the profile's cost model (default: none, "
+                                  "learned online)"),
         ("--out", str, "results directory"),
     ])
