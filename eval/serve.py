@@ -3,7 +3,7 @@ driven by vLLM's own benchmark client.
 
     preft eval serve [--adapters 1,8] [--rank 16] [--kinds lora] [--variants preft,all-token,base]
                      [--request-rate inf,16] [--num-prompts 128] [--input-len 32] [--output-len 64]
-                     [--slo ttft:2000,tpot:100] [--model default] [--out runs/eval]
+                     [--slo ttft:2000,tpot:100] [--slots S] [--model default] [--out runs/eval]
 
 For each adapter kind (``lora``: rank-R LoRA on every projection; ``reft``: rank-R LoReFT on
 every layer) it exports N bundles with random weights against the base model, then for each
@@ -19,6 +19,11 @@ arrivals at each ``--request-rate``, and per-request adapters through its ``--lo
 serves every adapter count N of ``--adapters`` (its first N adapters). (ReFT-P adapters are named
 in ``model`` like LoRA ones: ``preft serve`` routes them.) Goodput is vLLM's ``--goodput``
 from ``--slo``: the rate of requests meeting every SLO.
+
+``--slots S`` gives the engine S adapter slots (``--max-adapters S``) for N > S adapters, all
+kept in host memory (vLLM's ``--max-cpu-loras N``): a prefill-only request gives its slot back
+when its prompt is done, an all-token one holds it to its last token. The scheduler's trace
+gives the distinct LoRA adapters active in each step (mean and max per run).
 
 Every run is repeated ``--rounds`` times, the order rotated each round, because these machines'
 speed drifts by tens of percent within minutes: the figures are medians over the rounds, and a
@@ -118,8 +123,9 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     from preft.eval.harness.server_process import start_server, stop_server
 
     names = [f"{kind}{i}" for i in range(len(bundles))]
+    slots = settings["slots"] or max(1, len(bundles))  # --slots S: fewer adapter slots than adapters
     args = ["--model", settings["model"], "--max-model-len", str(settings["input_len"] + settings["output_len"] + 8),
-            "--max-adapters", str(max(1, len(bundles))), "--max-rank", str(settings["rank"]),
+            "--max-adapters", str(slots), "--max-rank", str(settings["rank"]),
             "--kv-cache-gib", str(settings["kv_cache_gib"])]
     for name, bundle in zip(names, bundles):
         args += ["--adapter", f"{name}={bundle}"]
@@ -128,8 +134,13 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     label = f"{kind}-{variant}" if kind else "base"
-    proc, url, ready_s = start_server([*args, "--", "--max-num-seqs", str(settings["max_num_seqs"])],
-                                      logs / f"server-{label}.log")
+    # every adapter stays in host memory (vLLM's --max-cpu-loras) while only `slots` of them are
+    # in the engine at once: the regime of a GPU whose memory holds a few adapters' weights
+    host = ["--max-cpu-loras", str(max(slots, len(bundles)))] if bundles else []
+    step_trace = logs / f"slots-{label}.trace"
+    step_trace.unlink(missing_ok=True)
+    proc, url, ready_s = start_server([*args, "--", "--max-num-seqs", str(settings["max_num_seqs"]), *host],
+                                      logs / f"server-{label}.log", env={"PREFT_TRACE_SCHEDULER": str(step_trace)})
     default = settings["model"] == "default"
     tokenizer = preft.DEFAULT_BASE_MODEL if default else settings["model"]
     served_name = "base" if default else str(Path(settings["model"]))  # as preft serve names it
@@ -146,15 +157,21 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
                 run_variant, run_kind, run_names, rate = runs[index]
                 run_label = (f"{label}-{'base' if run_kind is None and kind else 'n' + str(len(run_names))}"
                              f"-rate{rate:g}-round{round_index}")
+                seen = trace_lines(step_trace)
                 results[index].append(bench_serve(url, served_name, tokenizer, run_names, rate, settings,
                                                   out / "vllm", f"{run_label}.json", logs / f"bench-{run_label}.log")
-                                      | {"result_file": f"vllm/{run_label}.json"})
+                                      | {"result_file": f"vllm/{run_label}.json",
+                                         "active_adapters": active_adapters(step_trace, seen)})
     finally:
         stop_server(proc)
     rows = []
     for index, (run_variant, run_kind, run_names, rate) in enumerate(runs):
         rows.append({"variant": run_variant, "kind": run_kind, "server": label, "adapters": len(run_names),
                      "request_rate": rate, "rank": settings["rank"] if run_kind else None,
+                     "slots": slots if run_kind else None,
+                     "active_adapters_mean": median(r["active_adapters"]["mean"] for r in results[index]),
+                     "active_adapters_max": max((r["active_adapters"]["max"] for r in results[index]
+                                                 if r["active_adapters"]["max"] is not None), default=None),
                      "server_ready_s": round(ready_s, 1), "rounds": len(results[index]),
                      "result_files": [r["result_file"] for r in results[index]],
                      **{m: median(r.get(m) for r in results[index]) for m in METRICS}})
@@ -164,6 +181,19 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
                                                                                       results[base_index])]
             rows[-1].update(vs_base=statistics.median(ratios), vs_base_range=[min(ratios), max(ratios)])
     return rows
+
+
+def trace_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def active_adapters(path: Path, skip: int) -> dict[str, float | None]:
+    """Over one run's engine steps (the scheduler's trace after its first ``skip`` lines): the
+    distinct LoRA adapters still active per step (holding a slot), mean and max; ReFT-P
+    requests hold no LoRA slot and count 0 here."""
+    lines = path.read_text().splitlines()[skip:] if path.exists() else []
+    active = [int(line.split()[2]) for line in lines if len(line.split()) == 3]
+    return {"mean": statistics.mean(active) if active else None, "max": max(active) if active else None}
 
 
 def median(values) -> float | None:
@@ -177,10 +207,16 @@ def base_row(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any] 
                  and r["request_rate"] == row["request_rate"]), None)
 
 
+def active_text(row: dict[str, Any]) -> str:
+    if row.get("active_adapters_mean") is None or not row["kind"] or row["kind"] != "lora":
+        return "-"
+    return f"{row['active_adapters_mean']:.1f} / {row['active_adapters_max']}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| variant | adapters | rate (req/s) | output tok/s | vs base | req/s | goodput req/s | "
-            "TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+            "TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | active adapters per step |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "1.00x" if r["variant"] == "base" else (
             f"{r['vs_base']:.2f}x [{r['vs_base_range'][0]:.2f}-{r['vs_base_range'][1]:.2f}]" if "vs_base" in r else "-")
@@ -189,7 +225,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {name} | {r['adapters']} | {r['request_rate']:g} | {r['output_throughput']:.1f} | {ratio} | "
                      f"{r['request_throughput']:.2f} | {(r['request_goodput'] or 0):.2f} | "
                      f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
-                     f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} |")
+                     f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | {active_text(r)} |")
     return "\n".join(lines)
 
 
@@ -219,7 +255,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str = "lora",
          variants: str = "preft,all-token,base", request_rate: str = "inf", num_prompts: int = 128,
          input_len: int = 32, output_len: int = 64, max_concurrency: int = 0, slo: str = "ttft:2000,tpot:100",
-         rounds: int = 3, seed: int = 0, out: str = "runs/eval") -> dict[str, Any]:
+         rounds: int = 3, seed: int = 0, slots: int = 0, out: str = "runs/eval") -> dict[str, Any]:
     from preft.eval.common import parse_list
     from preft.recipes.common import resolve_model
 
@@ -231,12 +267,13 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
         unknown = [v for v in given if v not in known]
         if unknown:
             raise ValueError(f"--{flag}: unknown {unknown} (choose from {', '.join(known)})")
-    if min(*counts, rank, num_prompts, input_len, output_len, rounds) < 1 or max_concurrency < 0 or min(rates) <= 0:
+    if min(*counts, rank, num_prompts, input_len, output_len, rounds) < 1 or max_concurrency < 0 or min(rates) <= 0 \
+            or slots < 0:
         raise ValueError("--adapters, --rank, --num-prompts, --input-len, --output-len, --rounds and --request-rate must be "
-                         "> 0 (--max-concurrency >= 0)")
+                         "> 0 (--max-concurrency and --slots >= 0)")
     settings = {"model": model, "rank": rank, "slo": parse_slo(slo), "input_len": input_len, "output_len": output_len,
                 "num_prompts": num_prompts, "counts": counts, "rates": rates, "max_concurrency": max_concurrency,
-                "seed": seed, "rounds": rounds, "max_num_seqs": max(8, min(num_prompts, 256)),
+                "seed": seed, "rounds": rounds, "slots": slots, "max_num_seqs": max(8, min(num_prompts, 256)),
                 "kv_cache_gib": 1, "timeout_s": 1800}
     model_path = resolve_model(model)
     serve_dir = Path(out) / "serve"
@@ -265,7 +302,8 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
     command = (f"preft eval serve --adapters {adapters} --rank {rank} --kinds {kinds} --variants {variants} "
                f"--request-rate {request_rate} --num-prompts {num_prompts} --input-len {input_len} "
                f"--output-len {output_len} --slo {slo} --rounds {rounds}" + (f" --max-concurrency {max_concurrency}"
-                                                            if max_concurrency else "") + f" --model {model}")
+                                                            if max_concurrency else "")
+               + (f" --slots {slots}" if slots else "") + f" --model {model}")
     import platform
 
     import vllm
@@ -277,7 +315,10 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
                 f"({result['machine']}, vLLM {result['vllm']}). With N adapters request i uses adapter i % N "
                 f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}. {rounds} rounds, every run once "
                 f"a round in a rotated order; each figure is the median over the rounds, and each ratio the median "
-                f"of per-round ratios to the base model on the same server at the same rate [their range].\n\n{table(rows)}\n")
+                f"of per-round ratios to the base model on the same server at the same rate [their range]."
+                + (f" {slots} adapter slots (`--max-adapters {slots}`; every adapter kept in host memory, vLLM's "
+                   f"`--max-cpu-loras`); active adapters: the distinct LoRA adapters holding a slot per engine "
+                   f"step, mean / max over the run." if slots else "") + f"\n\n{table(rows)}\n")
     plot(rows, serve_dir / "serve.png", f"rank {rank}, {num_prompts} requests of {input_len}+{output_len} tokens "
                                         "per run")
     save_run(serve_dir, "serve", result, markdown, also=(serve_dir / "serve.png",))
@@ -298,6 +339,8 @@ def add_arguments(parser) -> None:
         ("--input-len", int, "prompt tokens per request"),
         ("--output-len", int, "output tokens per request (EOS ignored)"),
         ("--max-concurrency", int, "most requests in flight (0 = no limit)"),
+        ("--slots", int, "adapter slots in the engine (--max-adapters; 0 = one per adapter); fewer slots than "
+                         "adapters is the GPU norm"),
         ("--slo", str, "goodput SLOs, NAME:MS comma-separated (ttft, tpot, e2el)"),
         ("--rounds", int, "rounds: each run once a round, order rotated; medians over rounds"),
         ("--seed", int, "the random data set's seed"),

@@ -60,7 +60,8 @@ def _train(args) -> int:
 def _demo(args) -> int:
     from preft.demo import main
 
-    main(steps=args.steps, output_dir=args.output_dir, eval_adapters=args.eval_adapters)
+    main(steps=args.steps, output_dir=args.output_dir, eval_adapters=args.eval_adapters,
+         eval_slots=args.eval_slots)
     return 0
 
 
@@ -122,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the tour: train three adapters, export, serve, ask, measure (make demo)")
     demo.add_argument("--steps", type=int, default=300, help="training steps per adapter (default 300)")
     demo.add_argument("--output-dir", default="runs/demo", help="where everything goes (default runs/demo)")
-    demo.add_argument("--eval-adapters", type=int, default=8,
-                      help="adapters in the closing preft eval serve (default 8)")
+    demo.add_argument("--eval-adapters", type=int, default=64,
+                      help="adapters in the closing preft eval serve (default 64)")
+    demo.add_argument("--eval-slots", type=int, default=8,
+                      help="adapter slots of its servers (default 8: fewer slots than adapters, as on GPUs)")
     demo.set_defaults(run=_demo)
 
     export = sub.add_parser("export", help="check an adapter against its base model and write a serving bundle")

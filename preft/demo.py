@@ -78,7 +78,7 @@ def ask(url: str, model: str, prompts: list[str]) -> list[str]:
     return answers
 
 
-def main(steps: int = 300, output_dir: str = "runs/demo", eval_adapters: int = 8) -> dict:
+def main(steps: int = 300, output_dir: str = "runs/demo", eval_adapters: int = 64, eval_slots: int = 8) -> dict:
     from preft.eval import serve as eval_serve
     from preft.export import export_adapter
     from preft.eval.harness.server_process import start_server, stop_server
@@ -130,9 +130,11 @@ def main(steps: int = 300, output_dir: str = "runs/demo", eval_adapters: int = 8
     finally:
         stop_server(proc)
 
-    stage(f"4/4 measure: preft eval serve, {eval_adapters} adapters, PreFT vs all-token vs base")
+    # the regime users serve in: more adapters than the engine has slots for (each slot holds GPU
+    # memory); a prefill-only request gives its slot back when its prompt is done
+    stage(f"4/4 measure: preft eval serve, {eval_adapters} adapters on {eval_slots} slots, PreFT vs all-token vs base")
     result = eval_serve.main(adapters=eval_adapters, rank=16, variants="preft,all-token,base", num_prompts=128,
-                             input_len=32, output_len=64, rounds=2, out=str(out / "eval"))
+                             input_len=32, output_len=64, rounds=3, slots=eval_slots, out=str(out / "eval"))
     summary = Table(title="what this run measured")
     for column in ("adapter", "held-out loss before → after", "exact match (served)"):
         summary.add_column(column)
@@ -141,8 +143,9 @@ def main(steps: int = 300, output_dir: str = "runs/demo", eval_adapters: int = 8
         summary.add_row(name, f"{before:.3f} → {after:.3f}", f"{matches[name]}/{PROMPTS_PER_USER}")
     console.print(summary)
     ratios = {row["variant"]: row["vs_base"] for row in result["rows"] if row["variant"] != "base"}
-    console.print(f"  serving {eval_adapters} adapters: PreFT {ratios['preft']:.2f}x the base model's output tokens/s "
-                  f"on the same server, all-token {ratios['all-token']:.2f}x")
+    console.print(f"  serving {eval_adapters} adapters on {eval_slots} slots: PreFT {ratios['preft']:.2f}x the base "
+                  f"model's output tokens/s on the same server, all-token {ratios['all-token']:.2f}x (medians of "
+                  f"3 rounds)")
     console.print(f"  tables and plot: {out / 'eval' / 'serve' / 'serve.md'}, {out / 'eval' / 'serve' / 'serve.png'}")
     console.print(f"done in {time.time() - started:.0f} s")
     return {"losses": losses, "matches": matches, "serve": result}
