@@ -4,7 +4,8 @@ Shared by ``tests/serving/test_server.py`` (what a user does) and
 ``tests/reliability/test_hostile_server.py`` (what a hostile or careless one does): a server
 start costs about 35 s. Its fixtures are imported by ``tests/conftest.py``. Tests may load,
 replace and unload adapters, but leave the start-up names serving what they served (a test that
-replaces a name uses one of its own). The tests that use it run one after another and it stops
+replaces a name uses one of its own). A test marked ``stops_live_server`` runs last and may stop
+it (``tests/reliability/test_shutdown.py`` sends it SIGTERM under load). The tests that use it run one after another and it stops
 after the last of them (``tests/conftest.py`` calls the two hooks below)."""
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def group_server_tests(items) -> None:
     """Run the tests that use the live server one after another (where the first of them was),
     so that it can stop as soon as the last one is done (:func:`stop_after_last_user`)."""
     users = [item for item in items if "server" in getattr(item, "fixturenames", ())]
+    # a test that stops the server itself (SIGTERM under load) is its last user
+    users.sort(key=lambda item: item.get_closest_marker("stops_live_server") is not None)
     if users:
         first = items.index(users[0])
         others = [item for item in items if item not in users]

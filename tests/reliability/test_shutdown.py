@@ -1,4 +1,7 @@
-"""SIGTERM under load: every client gets its answer (or an error), none waits for its own timeout."""
+"""SIGTERM under load: every client gets its answer (or an error), none waits for its own timeout.
+
+The server is the session's live ``preft serve`` (``tests/live_server.py``; ``--drain-seconds``
+at its default of 30): this test is its last user and ends it."""
 
 from __future__ import annotations
 
@@ -8,14 +11,16 @@ import time
 import openai
 import pytest
 
-from preft.eval.harness.server_process import start_server, stop_server
+from live_server import API_KEY
+from preft.eval.harness.server_process import stop_server
 
 
 @pytest.mark.slow
-def test_sigterm_under_load_drains_running_requests(tmp_path):
-    proc, url, _ = start_server(["--max-model-len", "256", "--drain-seconds", "30"], tmp_path / "server.log")
+@pytest.mark.stops_live_server
+def test_sigterm_under_load_drains_running_requests(server):
+    proc, url = server["proc"], server["url"]
     try:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
         async def one(index: int):
             try:

@@ -13,7 +13,7 @@ from preft.eval.soak import main as soak
 
 @pytest.mark.slow
 def test_short_soak_has_no_mismatch_and_no_unexpected_failure(tmp_path):
-    result = soak(minutes=0.4, concurrency=8, seed=1, out=str(tmp_path))
+    result = soak(minutes=0.25, concurrency=8, seed=1, out=str(tmp_path))
     assert result["mismatches"] == 0, result
     assert result["unexpected_failures"] == 0, result["unexpected"]
     assert result["by_kind"].get("completion", 0) > 40 and result["by_kind"].get("bad request", 0) > 5
