@@ -40,7 +40,6 @@ def register() -> None:
         )
     from preft.serving import engine_config, engine_core, frontend, worker
 
-    share_vllm_logging()
     engine_config.patch()
     frontend.patch()
     worker.patch()
@@ -50,16 +49,3 @@ def register() -> None:
 
         api_server.patch()
     _PATCHED = True
-
-
-def share_vllm_logging() -> None:
-    """PreFT's log lines (``preft.*`` loggers: the chosen policies, failed requests, the online
-    cost model's report at shutdown) go where vLLM's go, at vLLM's level; unconfigured, Python
-    would show only their warnings."""
-    import logging
-
-    source, target = logging.getLogger("vllm"), logging.getLogger("preft")
-    if source.handlers and not target.handlers:
-        for handler in source.handlers:
-            target.addHandler(handler)
-        target.setLevel(source.level)

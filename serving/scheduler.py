@@ -38,7 +38,7 @@ the plain-Python policies of :mod:`preft.serving.scheduling` each step (below).
   output) go to the policy's :class:`~preft.serving.scheduling.online_cost_model.OnlineCostModel`,
   which refits itself and bounds its own error; it is written to the spec's ``cost_state``
   (``STATE_DIR/step_cost_online.json`` under ``preft serve --state-dir``) every 30 s and at
-  shutdown, where its report (fit, error quantiles, overhead) is logged.
+  shutdown, with its report (fit, error quantiles per shape class, overhead).
 - ``PREFT_TRACE_SCHEDULER=FILE`` appends, per step, how many running requests and distinct LoRA
   adapters among them there are, and how many distinct LoRA adapters the step's tokens run
   with (the slots it uses; read by the tests and the slot-limited benchmarks); ``PREFT_STEP_TRACE=FILE`` one JSON line per step

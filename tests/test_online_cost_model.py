@@ -101,6 +101,7 @@ def test_its_state_survives_a_restart_and_a_corrupted_state_is_one_line(tmp_path
     assert again.fits == model.fits and again.weights == model.weights and list(again.steps) == list(model.steps)
     assert again.upper(4, 64, 100) == model.upper(4, 64, 100)
     data = json.loads(path.read_text())
+    assert data["report"]["fits"] == model.fits and set(data["report"]["error_quantile"]) == {"00", "01", "10", "11"}
     for broken in ("not json", json.dumps({**data, "steps": [[1, 2, "x", 0.1]]}),
                    json.dumps({**data, "residuals": {"00": [float("nan")]}}), json.dumps({"format": "other"})):
         path.write_text(broken)

@@ -158,7 +158,7 @@ class OnlineCostModel:
 
     def to_json(self) -> dict:
         return {"format": STATE_FORMAT, "prior": self.prior.to_json(), "weights": self.weights, "fits": self.fits,
-                "steps": [list(step) for step in self.steps],
+                "report": self.report(), "steps": [list(step) for step in self.steps],
                 "residuals": {key: list(values) for key, values in self.residuals.items()}}
 
     def save(self, path: str | Path) -> Path:
