@@ -189,7 +189,7 @@ def trace_lines(path: Path) -> int:
 
 def active_adapters(path: Path, skip: int) -> dict[str, float | None]:
     """Over one run's engine steps (the scheduler's trace after its first ``skip`` lines): the
-    distinct LoRA adapters still active per step (holding a slot), mean and max; ReFT-P
+    distinct LoRA adapters each step runs with (the slots it uses), mean and max; ReFT-P
     requests hold no LoRA slot and count 0 here."""
     lines = path.read_text().splitlines()[skip:] if path.exists() else []
     active = [int(line.split()[2]) for line in lines if len(line.split()) == 3]
@@ -208,7 +208,7 @@ def base_row(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any] 
 
 
 def active_text(row: dict[str, Any]) -> str:
-    if row.get("active_adapters_mean") is None or not row["kind"] or row["kind"] != "lora":
+    if row.get("active_adapters_mean") is None or row["kind"] != "lora":
         return "-"
     return f"{row['active_adapters_mean']:.1f} / {row['active_adapters_max']}"
 

@@ -29,11 +29,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                          "set by `preft serve --max-adapters`)"),
     "PREFT_TRACE_SCHEDULER": (lambda: os.environ.get("PREFT_TRACE_SCHEDULER") or None,
                               "FILE: the scheduler appends one line per step, '<running requests> <distinct "
-                              "adapters> <distinct adapters still active>' (the tests and the slot-limited "
+                              "adapters> <distinct adapters the step runs with>' (the tests and the slot-limited "
                               "benchmarks read it)"),
     "PREFT_SCHEDULER": (lambda: json.loads(os.environ.get("PREFT_SCHEDULER") or "{}"),
-                        "JSON {name, tpot_ms, cost_model, cost_state, max_chunk, margin_ms, min_chunk, stages, feather_state, "
-                        "feather_max_wait_s}: the prefill chunk policy and admission order, a "
+                        "JSON {name, tpot_ms, cost_model, cost_state, max_chunk, margin_ms, min_chunk, stages, "
+                        "feather_state, feather_max_wait_s}: the prefill chunk policy and admission order, a "
                         "preft.serving.scheduling.spec.SchedulerSpec (set by `preft serve --scheduler`; unset: "
                         "vLLM's default)"),
     "PREFT_STEP_TRACE": (lambda: os.environ.get("PREFT_STEP_TRACE") or None,

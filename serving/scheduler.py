@@ -41,9 +41,9 @@ the plain-Python policies of :mod:`preft.serving.scheduling` each step (below).
   shutdown, with its report (fit, error quantiles per shape class, overhead).
 - ``PREFT_TRACE_SCHEDULER=FILE`` appends, per step, how many running requests and distinct LoRA
   adapters among them there are, and how many distinct LoRA adapters the step's tokens run
-  with (the slots it uses; read by the tests and the slot-limited benchmarks); ``PREFT_STEP_TRACE=FILE`` one JSON line per step
-  with its shape and time, and the online cost model's prediction and bound for it
-  (``preft eval profile`` fits the step cost model on it).
+  with (the slots it uses; read by the tests and the slot-limited benchmarks).
+  ``PREFT_STEP_TRACE=FILE`` one JSON line per step with its shape and time, and the online cost
+  model's prediction and bound for it (``preft eval profile`` fits the step cost model on it).
 """
 
 from __future__ import annotations
@@ -130,6 +130,8 @@ class PreftScheduler(Scheduler):
         self.failed_unreported: list = []  # requests failed since the last output was made
         self.admission = None  # the AdmissionQueue when an admission order is set (None: vLLM's FCFS queue)
         self.feather_state: str | None = None
+        self.cost_learner = None  # SLOWeave's/WavePP's online cost model, when the chunk policy has one
+        self.cost_state: str | None = None
         self.feather_saved_s = self.cost_saved_s = time.monotonic()
         self.set_policies(envs.PREFT_SCHEDULER)
         self.last_token_s: dict[str, float] = {}  # request id -> monotonic time of its latest token
@@ -153,8 +155,7 @@ class PreftScheduler(Scheduler):
                            "(--max-num-batched-tokens): chunks stop at the budget", self.chunk_policy.name,
                            self.chunk_policy.max_chunk, self.max_num_scheduled_tokens)
         self.save_feather_state()  # the outgoing order's table, if it learned one
-        if getattr(self, "cost_learner", None) is not None:  # and the outgoing online cost model
-            self.save_cost_state()
+        self.save_cost_state()  # and the outgoing online cost model
         order = admission_from_spec(spec, cache=EnginePrefixCache(self.kv_cache_manager))
         if order is not None and not self.cache_config.enable_prefix_caching:
             raise ValueError(f"the {order.name} admission order keys requests by their prefix-cache blocks: "
@@ -162,7 +163,7 @@ class PreftScheduler(Scheduler):
         self.admission = AdmissionQueue(order, self) if order is not None else None
         self.waiting = self.admission if order is not None else create_request_queue(self.policy)
         self.feather_state = spec.feather_state
-        self.cost_learner = online_model_of(self.chunk_policy)  # SLOWeave's/WavePP's online cost model
+        self.cost_learner = online_model_of(self.chunk_policy)
         self.cost_state = spec.cost_state if self.cost_learner is not None else None
         logger.info("preft: prefill chunk policy %s, admission %s", self.chunk_policy.name,
                     order.name if order is not None else "fcfs")
@@ -178,10 +179,8 @@ class PreftScheduler(Scheduler):
         self.feather_saved_s = time.monotonic()
 
     def save_cost_state(self) -> None:
-        """The online step cost model to ``cost_state`` (atomically), when there is one."""
-        if self.cost_learner is None:
-            return
-        if self.cost_state is not None:
+        """The online step cost model to ``cost_state`` (atomically), when there are both."""
+        if self.cost_learner is not None and self.cost_state is not None:
             try:
                 self.cost_learner.save(self.cost_state)
             except OSError as err:  # the server goes on; the model is kept in memory
@@ -190,9 +189,7 @@ class PreftScheduler(Scheduler):
 
     def shutdown(self) -> None:
         self.save_feather_state()
-        if self.cost_learner is not None:
-            self.save_cost_state()
-            logger.info("preft: online step cost model at shutdown: %s", json.dumps(self.cost_learner.report()))
+        self.save_cost_state()
         super().shutdown()
 
     def _free_request(self, request, *args, **kwargs):
@@ -294,15 +291,14 @@ class PreftScheduler(Scheduler):
         seconds = now - self.preft_step.started_s
         predicted = upper = None
         if self.cost_learner is not None and scheduler_output.num_scheduled_tokens:
-            # what the model said of this step before it learns from it (the trace's error report)
-            predicted, upper = self.cost_learner(decodes, prefill, context), self.cost_learner.upper(decodes, prefill,
-                                                                                                    context)
+            if self.step_trace:  # what the model said of this step before it learns from it
+                predicted = self.cost_learner(decodes, prefill, context)
+                upper = self.cost_learner.upper(decodes, prefill, context)
             self.cost_learner.observe(decodes, prefill, context, seconds)
             if now - self.cost_saved_s > 30.0:
                 self.save_cost_state()
         if self.admission is not None:  # the order's reward for the batch that ran (Feather learns from it)
-            self.admission.order.reward(len(scheduler_output.num_scheduled_tokens), now - self.preft_step.started_s,
-                                        prefill)
+            self.admission.order.reward(len(scheduler_output.num_scheduled_tokens), seconds, prefill)
             if self.feather_state and now - self.feather_saved_s > 30.0:
                 self.save_feather_state()
         if not self.step_trace:

@@ -142,7 +142,8 @@ def policy_from_spec(spec):
     with an admission order too (``feather+sloweave``), its chunk part.
 
     SLOWeave and WavePP get an :class:`~preft.serving.scheduling.online_cost_model.OnlineCostModel`
-    that learns from the steps it is shown (``observe_step``): seeded by ``cost_model`` (a file)
+    that learns from the steps it is shown (its ``observe``, called by the scheduler and the
+    simulator): seeded by ``cost_model`` (a file)
     or the conservative prior, continued from ``cost_state`` when that file exists."""
     from preft.serving.scheduling.cost_model import StepCostModel
     from preft.serving.scheduling.online_cost_model import OnlineCostModel

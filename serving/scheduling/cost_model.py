@@ -22,12 +22,12 @@ Plain Python (numpy): the simulator and the engine's scheduler use the same obje
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from preft.serving.scheduling.atomic_file import write_atomically
 
 FEATURES = ("1", "[n>0]", "n", "[c>0]", "c", "c^2/1e3", "x/1e3", "c*x/1e6")
 
@@ -106,15 +106,8 @@ class StepCostModel:
                 "weights": self.weights, "source": self.source, **self.meta}
 
     def save(self, path: str | Path) -> Path:
-        """Write atomically (a temporary file renamed over ``path``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(handle, "w") as out:
-            json.dump(self.to_json(), out, indent=2)
-            out.write("\n")
-        os.replace(temporary, path)
-        return path
+        """Write atomically (:func:`.atomic_file.write_atomically`)."""
+        return write_atomically(path, json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> StepCostModel:

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
+
+from preft.serving.scheduling.atomic_file import write_atomically
 
 ADD, STOP = "add", "stop"
 ACTIONS = (ADD, STOP)
@@ -103,14 +103,8 @@ class FeatherBandit:
                           for (state, action) in sorted(self.q, key=str)]}
 
     def save(self, path: str | Path) -> Path:
-        """Atomically (a temporary file renamed over ``path``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(handle, "w") as out:
-            json.dump(self.to_json(), out)
-        os.replace(temporary, path)
-        return path
+        """Atomically (:func:`.atomic_file.write_atomically`)."""
+        return write_atomically(path, json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path: str | Path) -> FeatherBandit:

@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
 import numpy as np
 
+from preft.serving.scheduling.atomic_file import write_atomically
 from preft.serving.scheduling.cost_model import FEATURES, StepCostModel
 
 #: shape classes of the residuals: (has decodes, has prefill)
@@ -82,7 +81,7 @@ class OnlineCostModel:
         """Before any step is measured: 25 ms a step, 1 ms a decode, 2 ms a prefill token (a TPOT
         of 100 ms fits about 37 prefill tokens beside one decode). Twice the largest per-token
         prefill cost measured in this project (the 512x8 model on 2 CPU cores, 0.71 ms), so the
-        first deadlines are met; the first refit, some 32 steps in, replaces it."""
+        first deadlines are met; the first fit, once 16 steps with 3 prefill sizes are in, replaces it."""
         ms = 1e-3
         return StepCostModel([25 * ms, 0.0, 1 * ms, 0.0, 2 * ms, 0.0, 0.0, 0.0], source="conservative prior")
 
@@ -148,7 +147,7 @@ class OnlineCostModel:
         self.since_fit, self.fits = 0, self.fits + 1
 
     def report(self) -> dict:
-        """The fit and its error, for logs and benchmarks: weights, steps, ``q_s`` per class, the
+        """The fit and its error, kept in the state file: weights, steps, ``q_s`` per class, the
         median absolute relative residual, and the time spent here per second of steps."""
         every = [abs(r) for values in self.residuals.values() for r in values]
         return {"source": self.source, "weights": self.weights, "fits": self.fits, "window_steps": len(self.steps),
@@ -162,14 +161,8 @@ class OnlineCostModel:
                 "residuals": {key: list(values) for key, values in self.residuals.items()}}
 
     def save(self, path: str | Path) -> Path:
-        """Write the state atomically (a temporary file renamed over ``path``)."""
-        path = Path(path)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(handle, "w") as out:
-            json.dump(self.to_json(), out)
-            out.write("\n")
-        os.replace(temporary, path)
-        return path
+        """Write the state atomically (:func:`.atomic_file.write_atomically`)."""
+        return write_atomically(path, json.dumps(self.to_json()) + "\n")
 
     def restore(self, path: str | Path) -> None:
         """Continue from a state :meth:`save` wrote (its window, residuals and fit); one clear

@@ -50,6 +50,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field, replace
 
+from preft.rule import ALL_TOKEN
 from preft.serving.scheduling.chunk_policies import StepView
 from preft.serving.scheduling.cost_model import StepCostModel
 from preft.serving.scheduling.metrics import RequestTiming
@@ -110,8 +111,6 @@ class Simulator:
 
     def holds_slot(self, request: _Running) -> bool:
         """Whether ``request`` still needs its adapter: some position from ``computed`` on is active."""
-        from preft.rule import ALL_TOKEN
-
         if request.spec.adapter is None:
             return False
         rule = self.adapter_rules.get(request.spec.adapter) or ALL_TOKEN

@@ -21,11 +21,11 @@ one is answered).
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from preft.serving.scheduling.atomic_file import write_atomically
 
 KINDS = ("chat", "mixed", "long", "bursty")
 TRACE_BLOCK_TOKENS = 16  # vllm bench serve's timed_trace default --timed-trace-chunk-hash-size
@@ -102,23 +102,19 @@ def generate(kind: str, count: int, rate: float, seed: int = 0, max_model_len: i
 
 
 def write_trace(requests: list[RequestSpec], path: str | Path) -> Path:
-    """The workload as a ``timed_trace`` JSON-lines file (atomically: temporary file, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """The workload as a ``timed_trace`` JSON-lines file (atomically, :func:`.atomic_file.write_atomically`)."""
     next_id = 1 << 20  # unshared blocks get ids no prefix group uses
-    with os.fdopen(handle, "w") as out:
-        for request in requests:
-            blocks = -(-request.prompt_tokens // TRACE_BLOCK_TOKENS)
-            shared = request.prefix_tokens // TRACE_BLOCK_TOKENS if request.prefix_group is not None else 0
-            hash_ids = [request.prefix_group * 4096 + i for i in range(shared)]
-            hash_ids += list(range(next_id, next_id + blocks - shared))
-            next_id += blocks - shared
-            out.write(json.dumps({"timestamp": request.arrival_s, "input_length": request.prompt_tokens,
-                                  "output_length": request.output_tokens, "hash_ids": hash_ids,
-                                  "request": asdict(request)}) + "\n")
-    os.replace(temporary, path)
-    return path
+    lines = []
+    for request in requests:
+        blocks = -(-request.prompt_tokens // TRACE_BLOCK_TOKENS)
+        shared = request.prefix_tokens // TRACE_BLOCK_TOKENS if request.prefix_group is not None else 0
+        hash_ids = [request.prefix_group * 4096 + i for i in range(shared)]
+        hash_ids += list(range(next_id, next_id + blocks - shared))
+        next_id += blocks - shared
+        lines.append(json.dumps({"timestamp": request.arrival_s, "input_length": request.prompt_tokens,
+                                 "output_length": request.output_tokens, "hash_ids": hash_ids,
+                                 "request": asdict(request)}) + "\n")
+    return write_atomically(path, "".join(lines))
 
 
 def read_trace(path: str | Path) -> list[RequestSpec]:
