@@ -53,13 +53,28 @@ def machine() -> str:
 
 
 def simulate_policy(cost_model, policy_name: str, work, settings: dict, tpot_s: float, record: bool = False):
-    """``work`` through the simulator under the chunk policy ``policy_name`` (FCFS admission)."""
+    """``work`` through the simulator under the chunk policy ``policy_name`` (FCFS admission);
+    with ``settings["slots"]`` (adapter slots, :func:`with_adapters`) the requests' prefill-only
+    adapters share that many."""
+    from preft.rule import AdapterRule
     from preft.serving.scheduling.chunk_policies import make_policy
     from preft.serving.scheduling.simulator import Simulator
 
     policy = make_policy(policy_name, cost_model=cost_model, tpot_s=tpot_s, max_chunk=settings["max_chunk"])
+    work = with_adapters(work, settings)
+    rules = {adapter: AdapterRule(prefill_only=True) for adapter in {spec.adapter for spec in work} if adapter}
     return Simulator(cost_model, policy, max_num_seqs=settings["max_num_seqs"],
-                     max_num_batched_tokens=settings["max_num_batched_tokens"], record_shapes=record).run(work)
+                     max_num_batched_tokens=settings["max_num_batched_tokens"], record_shapes=record,
+                     adapter_rules=rules, max_loras=settings.get("slots") or None).run(work)
+
+
+def with_adapters(work, settings: dict):
+    """``work`` with request i on adapter ``lora{i % N}`` when ``settings["adapters"]`` is N > 0
+    (what ``vllm bench serve --lora-assignment round-robin`` sends to the engine), else as it is."""
+    from dataclasses import replace
+
+    count = settings.get("adapters") or 0
+    return [replace(spec, adapter=f"lora{index % count}") for index, spec in enumerate(work)] if count else work
 
 
 def capacity(cost_model, kind: str, settings: dict) -> float:
@@ -67,7 +82,8 @@ def capacity(cost_model, kind: str, settings: dict) -> float:
     from preft.serving.scheduling import workloads
 
     def sustained(rate: float) -> bool:
-        work = workloads.generate(kind, settings["probe_requests"], rate, seed=99, max_model_len=settings["max_len"])
+        work = with_adapters(workloads.generate(kind, settings["probe_requests"], rate, seed=99,
+                                                max_model_len=settings["max_len"]), settings)
         result = simulate_policy(cost_model, "default", work, settings, tpot_s=1.0)
         offered = work[-1].arrival_s - work[0].arrival_s  # the sample's own rate, not the nominal one
         return result.clock_s - work[0].arrival_s <= offered / CAPACITY_SERVED
@@ -100,11 +116,19 @@ def warm_up(url: str, models: list[str], rounds: int = 4) -> None:
 
 
 def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str, run_dir: Path,
-                settings: dict, vllm_extra: tuple[str, ...] = ()) -> tuple[list, list[dict]]:
+                settings: dict, vllm_extra: tuple[str, ...] = (), adapters: dict[str, str] | None = None,
+                slots: int = 0) -> tuple[list, list[dict]]:
     """``preft serve`` with ``policy_args`` (``--scheduler ...``) and the step trace on, driven by
     ``vllm bench serve --dataset-name timed_trace`` at ``trace``'s arrival times:
     ``(per-request timings, the engine's steps)``. The warm-up's steps are not kept.
-    ``vllm_extra``: more vLLM arguments (e.g. ``--num-gpu-blocks-override N``)."""
+    ``vllm_extra``: more vLLM arguments (e.g. ``--num-gpu-blocks-override N``). ``adapters``
+    (name -> bundle): served with ``slots`` adapter slots (every adapter in host memory), request i
+    of the trace on the i % N-th (``--lora-assignment round-robin``)."""
+    adapters = adapters or {}
+    if adapters:
+        policy_args = [*policy_args, "--max-adapters", str(slots or len(adapters)), "--max-rank", "16",
+                       *[a for name, bundle in adapters.items() for a in ("--adapter", f"{name}={bundle}")]]
+        vllm_extra = (*vllm_extra, "--max-cpu-loras", str(len(adapters)))
     from preft.serving.scheduling.metrics import RequestTiming
     from preft.eval.harness.server_process import start_server, stop_server
 
@@ -126,6 +150,8 @@ def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str,
                    "--num-prompts", str(count), "--save-result", "--save-detailed",
                    "--result-dir", str(run_dir), "--result-filename", result_name, "--disable-tqdm",
                    "--percentile-metrics", "ttft,tpot,itl,e2el"]
+        if adapters:
+            command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
         with open(run_dir / "logs" / f"bench-{label}.log", "w") as log:
             done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
         if done.returncode != 0:

@@ -6,7 +6,8 @@ simulator on four workloads and on the real engine, with the simulator's gap to 
                        [--tpot-scales 2,5] [--loads 0.25,0.5,0.75,1,1.25] [--requests 2000]
                        [--engine-policies default,fixed:64,fixed:256,sloweave] [--engine-workload mixed]
                        [--engine-load 0.5] [--engine-requests 300]
-                       [--engine-rounds R --engine-loads 0.5,0.75] [--engine-seeded] [--out runs/eval]
+                       [--engine-rounds R --engine-loads 0.5,0.75] [--engine-seeded]
+                       [--adapters N --slots S] [--out runs/eval]
 
 **Scaled to this machine.** The step cost model is this machine's, calibrated on a served
 engine under load (``--cost-model``, default the one ``preft eval profile --served`` writes,
@@ -33,6 +34,12 @@ calibration run, so these runs are held out), and with one refitted on the steps
 engines recorded (``in-situ``, the best a cost model of this form can do). The gap between
 engine and simulator goodput is reported per policy, and whether the policies rank the same.
 
+**Adapter slots** (``--adapters N --slots S``): request i of every workload is on LoRA-P adapter
+``lora{i % N}``, the simulator gives the adapters ``S`` slots (a request holds one until its
+prompt is done) and the engine serves N random rank-16 bundles with ``--max-adapters S``
+(``vllm bench serve --lora-assignment round-robin`` sends the same assignment): the slot-limited
+regime, simulator beside engine.
+
 **Engine rounds** (``--engine-rounds R``, instead of that one run): every engine policy at every
 ``--engine-loads`` on a fresh server each time, R rounds, each round a new trace and the
 policies in a rotated order; per round SLOWeave's goodput over the best other policy's, the
@@ -46,6 +53,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -122,7 +130,8 @@ def engine_runs(cost_model, cost_model_path: Path, model_dir: str, settings: dic
             if settings["engine_seeded"]:
                 policy_args += ["--cost-model", str(cost_model_path)]
         print(f"[goodput] engine: {policy} on {len(work)} {kind} requests at {rate:.1f} req/s", flush=True)
-        timings, steps = serve_trace(model_dir, policy_args, trace, policy.replace(":", ""), engine_dir, settings)
+        timings, steps = serve_trace(model_dir, policy_args, trace, policy.replace(":", ""), engine_dir, settings,
+                                     adapters=settings["bundles"], slots=settings["slots"])
         served[policy] = {"summary": summarize(timings, scale["ttft_s"], tpot), "failed": len(work) - len(timings),
                           "timings": timings, "steps": steps}
     return {"workload": kind, "capacity": rate0, "rate": rate, "tpot_s": tpot, "trace": str(trace), "work": work,
@@ -176,7 +185,8 @@ def run_engine_rounds(cost_model, cost_model_path: Path, model_dir: str, setting
                 print(f"[goodput] engine round {round_index + 1}/{settings['engine_rounds']}, load {load:g} "
                       f"({load * rate0:.1f} req/s), {policy} [{done}/{total}]", flush=True)
                 label = f"{policy.replace(':', '')}-{load:g}-r{round_index}"
-                timings, steps = serve_trace(model_dir, policy_args, trace, label, runs_dir, settings)
+                timings, steps = serve_trace(model_dir, policy_args, trace, label, runs_dir, settings,
+                                             adapters=settings["bundles"], slots=settings["slots"])
                 engine = summarize(timings, scale["ttft_s"], tpot)
                 simulated = summarize(simulate_policy(cost_model, policy, work, settings, tpot).timings,
                                       scale["ttft_s"], tpot)
@@ -413,7 +423,7 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
          loads: str = "0.25,0.5,0.75,1,1.25", requests: int = 2000, max_num_seqs: int = 64,
          engine_policies: str = "default,fixed:64,fixed:256,sloweave", engine_workload: str = "mixed",
          engine_load: float = 0.5, engine_requests: int = 300, engine_rounds: int = 0, engine_loads: str = "0.5,0.75",
-         engine_seeded: bool = False, out: str = "runs/eval") -> dict[str, Any]:
+         engine_seeded: bool = False, adapters: int = 0, slots: int = 0, out: str = "runs/eval") -> dict[str, Any]:
     from transformers import AutoConfig
 
     from preft.eval import common
@@ -443,6 +453,9 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
         make_policy(name, cost_model=StepCostModel.synthetic(), tpot_s=1.0)  # a bad name fails here
     if requests < 10 or engine_requests < 1 or not settings["loads"] or min(settings["loads"]) <= 0:
         raise ValueError("--requests must be >= 10, --engine-requests >= 1 and every --loads > 0")
+    if adapters < 0 or slots < 0 or (slots and not adapters):
+        raise ValueError("--adapters and --slots must be >= 0, and --slots needs --adapters N")
+    settings.update(adapters=adapters, slots=slots or adapters, bundles={})
     goodput_dir = Path(out) / "goodput"
     goodput_dir.mkdir(parents=True, exist_ok=True)
     model_dir = common.model_dir(model, Path(out) / "profile")
@@ -452,6 +465,13 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
     settings["max_len"] = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     settings["max_chunk"] = 2048
     settings["max_num_batched_tokens"] = 2048 + 256
+    if adapters and settings["engine_policies"]:  # the engine serves N random LoRA-P bundles, rank 16
+        from preft.eval.serve import make_bundles
+
+        # they live as long as the servers that copy them (removed at the end, or when this exits)
+        bundle_dir = tempfile.TemporaryDirectory(prefix="preft-goodput-bundles-")
+        paths = make_bundles(model_dir, "lora", adapters, 16, Path(bundle_dir.name))
+        settings["bundles"] = {f"lora{i}": path for i, path in enumerate(paths)}
 
     rows = run_simulations(model_cost, settings)
     result: dict[str, Any] = {"command": command_line("goodput", main, values, always=("model",)), "model": model,
@@ -463,7 +483,10 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                 f"Command: `{result['command']}` ({result['machine']}); cost model `{Path(cost_model).name}`. "
                 f"Simulator, {requests} requests per point; goodput in requests/s meeting both targets (SLO attainment "
                 f"in brackets) at {load_shown:g} of each workload's capacity. TPOT targets are multiples of the "
-                f"workload's decode step at its batch size; TTFT target 10x the step that prefills its p95 prompt.\n",
+                f"workload's decode step at its batch size; TTFT target 10x the step that prefills its p95 prompt."
+                + (f" Request i on LoRA-P adapter i % {adapters} with {settings['slots']} adapter slots (the "
+                   f"simulator's `max_loras`; the engine's `--max-adapters`, random rank-16 bundles, every one in "
+                   f"host memory)." if adapters else "") + "\n",
                 simulation_table(rows, settings, load_shown), ""]
     plot_simulation(rows, settings, goodput_dir / "goodput_sim.png",
                     f"simulated goodput vs load, {model} cost model ({Path(cost_model).name})")
@@ -500,6 +523,7 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                      f"cost model (calibrated on a separate served run) and with one refitted on these runs' own "
                      f"steps (in-situ).\n",
                      fidelity_table(fid), ""]
+    settings["bundles"] = sorted(settings["bundles"])  # their names (the files were temporary)
     result["wall_time_s"] = round(time.time() - started, 1)
     save_run(goodput_dir, "goodput", result, "\n".join(markdown),
              also=tuple(goodput_dir / p for p in ("goodput_sim.png", "goodput_engine.png", "goodput_rounds.png")
@@ -529,5 +553,8 @@ def add_arguments(parser) -> None:
         ("--engine-loads", str, "the loads of the rounds, as fractions of capacity"),
         ("--engine-seeded", bool, "in the rounds, seed SLOWeave with the profile's cost model (default: none, "
                                   "learned online)"),
+        ("--adapters", int, "with N > 0: request i on LoRA-P adapter i %% N (random rank-16 bundles on the engine)"),
+        ("--slots", int, "adapter slots with --adapters (engine --max-adapters, the simulator's max_loras; "
+                         "0 = one per adapter)"),
         ("--out", str, "results directory"),
     ])

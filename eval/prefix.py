@@ -170,7 +170,7 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
          batch: int = 16, prefix_tokens: int = 384, requests: int = 1000, groups: int = 100,
          cache_blocks: int = 160, engine: bool = True, engine_requests: int = 200, engine_rate: float = 20.0,
          engine_blocks: int = 120, engine_rounds: int = 3, conversations: int = 32,
-         conversation_rate: float = 4.0, out: str = "runs/eval") -> dict[str, Any]:
+         conversation_rate: float = 4.0, slots: int = 0, out: str = "runs/eval") -> dict[str, Any]:
     import inspect
 
     from preft.eval.common import parse_list
@@ -184,8 +184,8 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
     if unknown:
         raise ValueError(f"--parts: unknown part(s) {unknown} (choose from cost, decode-batch, scheduling, "
                          "conversations)")
-    if conversations < 1 or conversation_rate <= 0:
-        raise ValueError("--conversations must be >= 1 and --conversation-rate > 0")
+    if conversations < 1 or conversation_rate <= 0 or slots < 0:
+        raise ValueError("--conversations must be >= 1, --conversation-rate > 0 and --slots >= 0")
     if requests < 10 or not 1 <= groups <= 100 or cache_blocks < 8 or engine_requests < 10 or engine_rate <= 0 \
             or engine_blocks < 8 or engine_rounds < 1:
         raise ValueError("--requests and --engine-requests must be >= 10, --groups in 1..100, --cache-blocks and "
@@ -220,8 +220,10 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
         from preft.eval import prefix_conversations
 
         print(f"[prefix] conversations: {conversations} conversations at {conversation_rate:g}/s", flush=True)
-        result["conversations"] = prefix_conversations.run(model, prefix_dir, conversations, conversation_rate,
-                                                           engine, engine_blocks, engine_rounds)
+        # the slot-limited run is a part of its own: it keeps the one with a slot per user beside it
+        part = "conversations_slots" if slots else "conversations"
+        result[part] = prefix_conversations.run(model, prefix_dir, conversations, conversation_rate, engine,
+                                                engine_blocks, engine_rounds, slots)
     result["commands"] = {part: command for part in PARTS if part in result}
     previous = prefix_dir / "results.json"
     if previous.is_file():  # parts not run this time keep their last results (and the commands that made them)
@@ -232,7 +234,7 @@ def main(parts: str = "cost,decode-batch,scheduling", waiting: str = "100,1000,1
     return result
 
 
-PARTS = ("cost", "decode_batch", "scheduling", "conversations")
+PARTS = ("cost", "decode_batch", "scheduling", "conversations", "conversations_slots")
 
 
 def render(result: dict) -> list[str]:
@@ -269,11 +271,12 @@ def render(result: dict) -> list[str]:
 
         lines += [f"Admission orders: `{commands.get('scheduling', 'preft eval prefix --parts scheduling')}`.\n"]
         lines += prefix_scheduling.markdown(result["scheduling"])
-    if "conversations" in result:
-        from preft.eval import prefix_conversations
+    for part in ("conversations", "conversations_slots"):
+        if part in result:
+            from preft.eval import prefix_conversations
 
-        lines += [f"Conversations: `{commands.get('conversations', 'preft eval prefix --parts conversations')}`.\n"]
-        lines += prefix_conversations.markdown(result["conversations"])
+            lines += [f"Conversations: `{commands.get(part, 'preft eval prefix --parts conversations')}`.\n"]
+            lines += prefix_conversations.markdown(result[part])
     return lines
 
 
@@ -297,6 +300,8 @@ def add_arguments(parser) -> None:
         ("--engine-rounds", int, "rounds of engine runs (the ratios to FCFS, or to base, are per round)"),
         ("--conversations", int, "conversations of the conversations part (2-4 turns each)"),
         ("--conversation-rate", float, "first turns per second of the conversations part"),
+        ("--slots", int, "adapter slots of the conversations part (engine --max-adapters and the simulator's; "
+                         "0 = one per user)"),
         ("--out", str, "results directory"),
     ])
 

@@ -16,7 +16,9 @@ PreFT decodes as fast as the base model and batches across users.
 Workload (:func:`~preft.serving.scheduling.workloads.conversation_workload`, seeded):
 ``--conversations`` conversations of 2-4 turns over 8 users' adapters, first turns Poisson at
 ``--conversation-rate``, each later turn sent ``think`` seconds (exponential, mean 0.5 s) after
-the previous answer.
+the previous answer. A slot per user, or ``--slots S`` of them (``preft serve --max-adapters S``,
+the simulator's ``max_loras``): the slot-limited regime, kept as a part of its own
+(``conversations_slots``) beside the other.
 
 - **Simulator**: the served step cost model of ``--model`` and a prefix cache of
   ``--engine-blocks`` blocks. PreFT (prefill-only keys from position 0), all-token (adapter-keyed)
@@ -89,7 +91,7 @@ def simulate(work: list, variant: str, cost_model, settings: dict) -> dict[str, 
     simulator = Simulator(cost_model, VllmDefault(), max_num_seqs=settings["max_num_seqs"],
                           max_num_batched_tokens=settings["max_num_batched_tokens"],
                           prefix_cache=lambda: PrefixCache(settings["engine_blocks"], BLOCK_TOKENS),
-                          adapter_rules=rules_of(variant))
+                          adapter_rules=rules_of(variant), max_loras=settings["slots"] or None)
     result = simulator.run(as_variant(work, variant))
     return turn_metrics(result.specs, [t.ttft_s for t in result.timings], [t.finish_s for t in result.timings],
                         [t.output_tokens for t in result.timings],
@@ -175,7 +177,8 @@ def engine_rows(model_dir: str, work: list, settings: dict, out: Path) -> list[d
         bundles = make_bundles(model_dir, "lora", USERS, RANK, Path(bundle_root))
         for server, variants in SERVERS.items():
             args = ["--model", "default" if served_base == "base" else model_dir,
-                    "--max-model-len", str(settings["max_len"]), "--max-adapters", str(USERS), "--max-rank", str(RANK),
+                    "--max-model-len", str(settings["max_len"]), "--max-adapters", str(settings["slots"] or USERS),
+                    "--max-rank", str(RANK),
                     *[a for i, bundle in enumerate(bundles) for a in ("--adapter", f"user{i}={bundle}")]]
             args += ["--all-token"] if server == "all-token" else []
             args += ["--", "--max-num-seqs", str(settings["max_num_seqs"]),
@@ -242,7 +245,9 @@ def markdown(result: dict) -> list[str]:
     lines = [f"**Multi-turn conversations** ({settings['conversations']} conversations of 2-4 turns, "
              f"{settings['turns']} turns, over {USERS} users' rank-{RANK} LoRA adapters, first turns Poisson at "
              f"{settings['conversation_rate']:g}/s, think time 0.5 s mean; prefix cache {settings['engine_blocks']} "
-             f"blocks of {BLOCK_TOKENS} tokens):\n", "![conversations](conversations.png)\n",
+             f"blocks of {BLOCK_TOKENS} tokens; " + (f"{settings['slots']} adapter slots for the {USERS} users, in "
+                                                    "the engine and the simulator" if settings.get("slots") else
+                                                    "a slot per user") + "):\n", "![conversations](conversations.png)\n",
              "| source | variant | TTFT p50 turn 1 (ms) | TTFT p50 turns 2-4 (ms) | output tok/s | vs base | "
              "prompt tokens prefilled per later turn (of) | prefix hit rate |", "|---|---|---|---|---|---|---|---|"]
     base = next(r for r in result["simulator"] if r["variant"] == "base")
@@ -284,7 +289,7 @@ def reading(result: dict) -> list[str]:
 
 
 def run(model: str, out: Path, conversations: int, conversation_rate: float, engine: bool, engine_blocks: int,
-        engine_rounds: int) -> dict[str, Any]:
+        engine_rounds: int, slots: int = 0) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from preft.eval import common
@@ -300,7 +305,7 @@ def run(model: str, out: Path, conversations: int, conversation_rate: float, eng
                                            users=USERS)
     settings = {"conversations": conversations, "turns": len(work), "conversation_rate": conversation_rate,
                 "engine_blocks": engine_blocks, "engine_rounds": engine_rounds, "max_len": max_len,
-                "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+                "max_num_seqs": 64, "max_num_batched_tokens": 2048, "slots": slots}
     result: dict[str, Any] = {"settings": settings}
     result["simulator"] = [{"variant": v, **simulate(work, v, cost_model, settings)} for v in VARIANTS]
     for row in result["simulator"]:

@@ -3,7 +3,9 @@ driven by vLLM's own benchmark client.
 
     preft eval serve [--adapters 1,8] [--rank 16] [--kinds lora] [--variants preft,all-token,base]
                      [--request-rate inf,16] [--num-prompts 128] [--input-len 32] [--output-len 64]
-                     [--slo ttft:2000,tpot:100] [--slots S] [--model default] [--out runs/eval]
+                     [--slo ttft:2000,tpot:100] [--slots S] [--host-adapters H]
+                     [--lora-assignment round-robin|random] [--schedulers default,groups]
+                     [--model default] [--out runs/eval]
 
 For each adapter kind (``lora``: rank-R LoRA on every projection; ``reft``: rank-R LoReFT on
 every layer) it exports N bundles with random weights against the base model, then for each
@@ -21,9 +23,13 @@ in ``model`` like LoRA ones: ``preft serve`` routes them.) Goodput is vLLM's ``-
 from ``--slo``: the rate of requests meeting every SLO.
 
 ``--slots S`` gives the engine S adapter slots (``--max-adapters S``) for N > S adapters, all
-kept in host memory (vLLM's ``--max-cpu-loras N``): a prefill-only request gives its slot back
-when its prompt is done, an all-token one holds it to its last token. The scheduler's trace
-gives the distinct LoRA adapters active in each step (mean and max per run).
+kept in host memory (vLLM's ``--max-cpu-loras N``; ``--host-adapters H``: H of them, the rest
+read from disk when needed): a prefill-only request gives its slot back when its prompt is done,
+an all-token one holds it to its last token. The scheduler's trace gives the distinct LoRA
+adapters active in each step (mean and max per run). ``--lora-assignment random`` draws each
+request's adapter (vLLM's seeded draw) instead of request i using adapter i % N.
+``--schedulers`` runs the PreFT variant once per ``preft serve --scheduler`` named (each its
+own server, e.g. ``default,groups``: vLLM's order against the adapter-group admission order).
 
 Every run is repeated ``--rounds`` times, the order rotated each round, because these machines'
 speed drifts by tens of percent within minutes: the figures are medians over the rounds, and a
@@ -47,6 +53,7 @@ from typing import Any
 import preft
 from preft.eval.common import warm_up
 from preft.eval.results import save_run
+from preft.serving.scheduling.spec import SchedulerSpec
 
 VARIANTS = {"preft": "PreFT (prompt tokens only)", "all-token": "all-token (standard multi-adapter)",
             "base": "base model alone"}
@@ -103,7 +110,7 @@ def bench_serve(url: str, model_name: str, tokenizer: str, adapters: list[str], 
     if settings["max_concurrency"]:
         command += ["--max-concurrency", str(settings["max_concurrency"])]
     if adapters:
-        command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
+        command += ["--lora-modules", *adapters, "--lora-assignment", settings["lora_assignment"]]
     with open(log, "a") as handle:
         done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=settings["timeout_s"])
     if done.returncode != 0:
@@ -112,7 +119,7 @@ def bench_serve(url: str, model_name: str, tokenizer: str, adapters: list[str], 
 
 
 def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings: dict[str, Any], out: Path,
-                    with_base: bool) -> list[dict]:
+                    with_base: bool, scheduler: str = "default") -> list[dict]:
     """Start ``preft serve`` for ``variant`` with ``bundles`` and run the benchmark for every adapter
     count N (requests over its first N adapters) and rate and, if ``with_base``, per rate with
     requests for the base model on the same server (a like-for-like base: the same engine, the
@@ -131,12 +138,15 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
         args += ["--adapter", f"{name}={bundle}"]
     if variant == "all-token":
         args.append("--all-token")
+    if scheduler != "default":
+        args += ["--scheduler", scheduler]
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    label = f"{kind}-{variant}" if kind else "base"
-    # every adapter stays in host memory (vLLM's --max-cpu-loras) while only `slots` of them are
-    # in the engine at once: the regime of a GPU whose memory holds a few adapters' weights
-    host = ["--max-cpu-loras", str(max(slots, len(bundles)))] if bundles else []
+    label = (f"{kind}-{variant}" if kind else "base") + (f"-{scheduler}" if scheduler != "default" else "")
+    # every adapter stays in host memory (vLLM's --max-cpu-loras; --host-adapters: that many) while
+    # only `slots` of them are in the engine at once: the regime of a GPU whose memory holds a few
+    # adapters' weights
+    host = ["--max-cpu-loras", str(max(slots, settings["host_adapters"] or len(bundles)))] if bundles else []
     step_trace = logs / f"slots-{label}.trace"
     step_trace.unlink(missing_ok=True)
     proc, url, ready_s = start_server([*args, "--", "--max-num-seqs", str(settings["max_num_seqs"]), *host],
@@ -167,6 +177,7 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     rows = []
     for index, (run_variant, run_kind, run_names, rate) in enumerate(runs):
         rows.append({"variant": run_variant, "kind": run_kind, "server": label, "adapters": len(run_names),
+                     "scheduler": scheduler,
                      "request_rate": rate, "rank": settings["rank"] if run_kind else None,
                      "slots": slots if run_kind else None,
                      "active_adapters_mean": median(r["active_adapters"]["mean"] for r in results[index]),
@@ -221,6 +232,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         ratio = "1.00x" if r["variant"] == "base" else (
             f"{r['vs_base']:.2f}x [{r['vs_base_range'][0]:.2f}-{r['vs_base_range'][1]:.2f}]" if "vs_base" in r else "-")
         name = VARIANTS[r["variant"]] + (f", {KINDS[r['kind']]} r={r['rank']}" if r["kind"] else "")
+        name += f", --scheduler {r['scheduler']}" if r.get("scheduler", "default") != "default" and \
+            r["variant"] != "base" else ""
         name += f" (on the {r['server']} server)" if r["variant"] == "base" and r["server"] != "base" else ""
         lines.append(f"| {name} | {r['adapters']} | {r['request_rate']:g} | {r['output_throughput']:.1f} | {ratio} | "
                      f"{r['request_throughput']:.2f} | {(r['request_goodput'] or 0):.2f} | "
@@ -255,7 +268,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str = "lora",
          variants: str = "preft,all-token,base", request_rate: str = "inf", num_prompts: int = 128,
          input_len: int = 32, output_len: int = 64, max_concurrency: int = 0, slo: str = "ttft:2000,tpot:100",
-         rounds: int = 3, seed: int = 0, slots: int = 0, out: str = "runs/eval") -> dict[str, Any]:
+         rounds: int = 3, seed: int = 0, slots: int = 0, host_adapters: int = 0,
+         lora_assignment: str = "round-robin", schedulers: str = "default", out: str = "runs/eval") -> dict[str, Any]:
     from preft.eval.common import parse_list
     from preft.recipes.common import resolve_model
 
@@ -268,12 +282,23 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
         if unknown:
             raise ValueError(f"--{flag}: unknown {unknown} (choose from {', '.join(known)})")
     if min(*counts, rank, num_prompts, input_len, output_len, rounds) < 1 or max_concurrency < 0 or min(rates) <= 0 \
-            or slots < 0:
+            or slots < 0 or host_adapters < 0:
         raise ValueError("--adapters, --rank, --num-prompts, --input-len, --output-len, --rounds and --request-rate must be "
-                         "> 0 (--max-concurrency and --slots >= 0)")
+                         "> 0 (--max-concurrency, --slots and --host-adapters >= 0)")
+    if lora_assignment not in ("round-robin", "random"):
+        raise ValueError(f"--lora-assignment {lora_assignment!r}: choose round-robin or random")
+    scheduler_list = parse_list(schedulers, str, "schedulers")
+    for name in scheduler_list:
+        try:  # a bad name fails before any server starts
+            spec = SchedulerSpec.parse(name)
+        except ValueError as err:
+            raise ValueError(f"--schedulers: {err}") from None
+        if spec.sloweave:
+            raise ValueError(f"--schedulers {name}: SLOWeave needs a TPOT target; use preft eval goodput")
     settings = {"model": model, "rank": rank, "slo": parse_slo(slo), "input_len": input_len, "output_len": output_len,
                 "num_prompts": num_prompts, "counts": counts, "rates": rates, "max_concurrency": max_concurrency,
                 "seed": seed, "rounds": rounds, "slots": slots, "max_num_seqs": max(8, min(num_prompts, 256)),
+                "host_adapters": host_adapters, "lora_assignment": lora_assignment,
                 "kv_cache_gib": 1, "timeout_s": 1800}
     model_path = resolve_model(model)
     serve_dir = Path(out) / "serve"
@@ -283,9 +308,10 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
         # one server per (kind, adapter variant); the base model is measured on each of them, just
         # before its adapter runs (the same engine, requests without adapters: ratios side by side),
         # or alone if no adapter variant is asked for
-        servers = [(v, k) for k in kind_list for v in variant_list if v != "base"] or [("base", None)]
+        servers = [(v, k, s) for k in kind_list for v in variant_list if v != "base"
+                   for s in (scheduler_list if v == "preft" else ["default"])] or [("base", None, "default")]
         with_base = "base" in variant_list
-        for index, (variant, kind) in enumerate(servers, 1):
+        for index, (variant, kind, scheduler) in enumerate(servers, 1):
             bundles = []
             if kind is not None:
                 kind_dir = Path(tmp) / kind
@@ -297,13 +323,17 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
             print(f"[eval serve {index}/{len(servers)}] {VARIANTS[variant]}" + (
                 f", {len(bundles)} {KINDS[kind]} adapters" if kind else "") + (
                 " (and the base model on the same server)" if with_base and kind else "") +
+                (f", --scheduler {scheduler}" if scheduler != "default" else "") +
                 f" ({time.time() - started:.0f} s so far)", flush=True)
-            rows += serve_and_bench(variant, kind, bundles, settings, serve_dir, with_base=with_base)
+            rows += serve_and_bench(variant, kind, bundles, settings, serve_dir, with_base=with_base,
+                                    scheduler=scheduler)
     command = (f"preft eval serve --adapters {adapters} --rank {rank} --kinds {kinds} --variants {variants} "
                f"--request-rate {request_rate} --num-prompts {num_prompts} --input-len {input_len} "
                f"--output-len {output_len} --slo {slo} --rounds {rounds}" + (f" --max-concurrency {max_concurrency}"
                                                             if max_concurrency else "")
-               + (f" --slots {slots}" if slots else "") + f" --model {model}")
+               + (f" --slots {slots}" if slots else "") + (f" --host-adapters {host_adapters}" if host_adapters else "")
+               + (f" --lora-assignment {lora_assignment}" if lora_assignment != "round-robin" else "")
+               + (f" --schedulers {schedulers}" if scheduler_list != ["default"] else "") + f" --model {model}")
     import platform
 
     import vllm
@@ -312,12 +342,16 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
               "vllm": vllm.__version__, "settings": {k: v for k, v in settings.items() if k != "timeout_s"},
               "rows": rows, "wall_time_s": round(time.time() - started, 1)}
     markdown = (f"## Online serving: PreFT vs all-token vs base (`vllm bench serve`)\n\nCommand: `{command}` "
-                f"({result['machine']}, vLLM {result['vllm']}). With N adapters request i uses adapter i % N "
-                f"(`--lora-assignment round-robin`); goodput: requests meeting {slo}. {rounds} rounds, every run once "
+                f"({result['machine']}, vLLM {result['vllm']}). " + (
+                    "With N adapters request i uses adapter i % N (`--lora-assignment round-robin`)"
+                    if lora_assignment == "round-robin" else "Each request's adapter drawn at random of the N "
+                    "(`--lora-assignment random`, seeded)") + f"; goodput: requests meeting {slo}. {rounds} rounds, every run once "
                 f"a round in a rotated order; each figure is the median over the rounds, and each ratio the median "
                 f"of per-round ratios to the base model on the same server at the same rate [their range]."
-                + (f" {slots} adapter slots (`--max-adapters {slots}`; every adapter kept in host memory, vLLM's "
-                   f"`--max-cpu-loras`); active adapters: the distinct LoRA adapters holding a slot per engine "
+                + (f" {slots} adapter slots (`--max-adapters {slots}`; " + (
+                    f"{max(slots, host_adapters)} adapters kept in host memory, vLLM's `--max-cpu-loras`, the others "
+                    "read from disk when a step needs them" if host_adapters else
+                    "every adapter kept in host memory, vLLM's `--max-cpu-loras`") + "); active adapters: the distinct LoRA adapters holding a slot per engine "
                    f"step, mean / max over the run." if slots else "") + f"\n\n{table(rows)}\n")
     plot(rows, serve_dir / "serve.png", f"rank {rank}, {num_prompts} requests of {input_len}+{output_len} tokens "
                                         "per run")
@@ -341,6 +375,10 @@ def add_arguments(parser) -> None:
         ("--max-concurrency", int, "most requests in flight (0 = no limit)"),
         ("--slots", int, "adapter slots in the engine (--max-adapters; 0 = one per adapter); fewer slots than "
                          "adapters is the GPU norm"),
+        ("--host-adapters", int, "with --slots: adapters kept in host memory (--max-cpu-loras; 0 = every one)"),
+        ("--lora-assignment", str, "round-robin (request i: adapter i %% N) or random (seeded)"),
+        ("--schedulers", str, "comma-separated preft serve --scheduler names for the PreFT variant (one server "
+                              "each), e.g. default,groups"),
         ("--slo", str, "goodput SLOs, NAME:MS comma-separated (ttft, tpot, e2el)"),
         ("--rounds", int, "rounds: each run once a round, order rotated; medians over rounds"),
         ("--seed", int, "the random data set's seed"),

@@ -1,4 +1,4 @@
-"""The engine's waiting queue in an admission order's order (FCFS, LPM or Feather).
+"""The engine's waiting queue in an admission order's order (FCFS, LPM, Feather or adapter groups).
 
 vLLM's ``Scheduler.schedule()`` admits waiting requests through four calls on
 ``self.waiting`` (a ``RequestQueue``): ``bool(queue)`` (anything to admit?), ``peek_request``,
@@ -18,7 +18,7 @@ runs:
 A request's keys are vLLM's own prefix-cache block hashes (``request.block_hashes``: chained,
 so equal keys mean an equal prefix, and PreFT-aware: a block before a prefill-only adapter's
 ``adapter_start`` is keyed without the adapter, :mod:`preft.serving.engine_core`). So the
-orders need prefix caching on (``preft serve`` checks). LPM matches them against the engine's
+LPM and Feather need prefix caching on (``preft serve`` checks; the adapter-group order ranks by adapter). LPM matches them against the engine's
 block pool (:class:`EnginePrefixCache`).
 """
 
@@ -68,6 +68,8 @@ class AdmissionQueue(RequestQueue):
     def new_step(self) -> None:
         """A new step's batch: ask the order again."""
         self.picked, self.pick = False, None
+        if hasattr(self.order, "new_step"):  # the adapter-group order ranks the waiting adapters
+            self.order.new_step()
 
     def _candidate(self):
         if not self.picked:
@@ -104,13 +106,13 @@ class AdmissionQueue(RequestQueue):
 
     def prepend_request(self, request) -> None:
         request_id = request.request_id
+        self.requests = {request_id: request, **self.requests}  # first: an order may look the request up
         if request_id in self.taken:
             self.taken.discard(request_id)
             self.order.requeue(request_id, self.keys[request_id], request.arrival_time)
         elif request_id not in self.keys:
             self.keys[request_id] = list(request.block_hashes)
             self.order.arrive(request_id, self.keys[request_id], request.arrival_time)
-        self.requests = {request_id: request, **self.requests}
         self.picked = False
 
     def prepend_requests(self, requests: Iterable) -> None:

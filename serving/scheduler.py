@@ -26,11 +26,12 @@ the plain-Python policies of :mod:`preft.serving.scheduling` each step (below).
   recorded here in ``update_from_output``; context and prefill tokens left) and returns the
   step's prefill budget; ``_reserve_prefill_lookahead`` hands it out to prefill chunks in
   vLLM's own order and never caps a decode. ``default`` leaves vLLM's scheduling untouched.
-- **Admission order** (``preft serve --scheduler lpm|feather``, combinable with a chunk policy:
-  ``feather+sloweave``): ``self.waiting`` becomes an
+- **Admission order** (``preft serve --scheduler lpm|feather|groups``, combinable with a chunk
+  policy: ``feather+sloweave``): ``self.waiting`` becomes an
   :class:`~preft.serving.admission_queue.AdmissionQueue`, so vLLM admits waiting requests in
   the order's order (LPM: most cached blocks first; Feather: the CHT's fewest missing chunks,
-  the bandit's ADD/STOP, an age bound). After each step the order gets the step's reward
+  the bandit's ADD/STOP, an age bound; groups: each step's adapter slots to the adapters with the
+  most waiting requests, told after each step which adapters the step ran with, :meth:`step_loras`). After each step the order gets the step's reward
   (Feather: batch size / step time, at the batch's first decode-only step); Feather's table is
   written to ``feather_state`` (atomically) every 30 s and at shutdown. Every running request
   decodes every step, as in vLLM and in the simulator: the batch is what admission made it.
@@ -68,7 +69,7 @@ from preft.serving.reft import reft_bundle_of, reft_slots
 from preft.serving.scheduling.admission import admission_from_spec
 from preft.serving.scheduling.chunk_policies import StepView, VllmDefault, policy_from_spec
 from preft.serving.scheduling.online_cost_model import online_model_of
-from preft.serving.scheduling.spec import SchedulerSpec
+from preft.serving.scheduling.spec import PREFIX_ADMISSIONS, SchedulerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +157,14 @@ class PreftScheduler(Scheduler):
                            self.chunk_policy.max_chunk, self.max_num_scheduled_tokens)
         self.save_feather_state()  # the outgoing order's table, if it learned one
         self.save_cost_state()  # and the outgoing online cost model
-        order = admission_from_spec(spec, cache=EnginePrefixCache(self.kv_cache_manager))
-        if order is not None and not self.cache_config.enable_prefix_caching:
+        slots = self.lora_config.max_loras if self.lora_config else None
+        host = getattr(self.lora_config, "max_cpu_loras", None) if self.lora_config else None
+        if spec.admission == "groups" and not self.lora_config:
+            raise ValueError("the groups admission order ranks requests by their LoRA adapter: "
+                             "it needs LoRA on (--enable-lora)")
+        order = admission_from_spec(spec, cache=EnginePrefixCache(self.kv_cache_manager), adapter_of=self._lora_of,
+                                    slots=slots, host=host)
+        if spec.admission in PREFIX_ADMISSIONS and not self.cache_config.enable_prefix_caching:
             raise ValueError(f"the {order.name} admission order keys requests by their prefix-cache blocks: "
                              "it needs prefix caching on")
         self.admission = AdmissionQueue(order, self) if order is not None else None
@@ -167,6 +174,13 @@ class PreftScheduler(Scheduler):
         self.cost_state = spec.cost_state if self.cost_learner is not None else None
         logger.info("preft: prefill chunk policy %s, admission %s", self.chunk_policy.name,
                     order.name if order is not None else "fcfs")
+
+    def _lora_of(self, request_id: str) -> int | None:
+        """The LoRA adapter id of a request (None: none; the adapter-group order's ``adapter_of``)."""
+        request = self.admission.requests.get(request_id) if self.admission is not None else None
+        request = request if request is not None else self.requests.get(request_id)  # (vLLM adds it after)
+        lora = request.lora_request if request is not None else None
+        return lora.lora_int_id if lora is not None else None
 
     def save_feather_state(self) -> None:
         """Feather's learned table to ``feather_state`` (atomically), when there is one."""
@@ -228,20 +242,30 @@ class PreftScheduler(Scheduler):
             for request, lora_request in hidden:
                 request.lora_request = lora_request
         trace = envs.PREFT_TRACE_SCHEDULER
-        if trace and self.running:
-            adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
-            active = set()  # the adapters this step's tokens run with (what holds a slot)
-            for request_id, scheduled in output.num_scheduled_tokens.items():
-                request = self.requests.get(request_id)
-                if request is None or request.lora_request is None:
-                    continue
-                first = request.num_computed_tokens - scheduled  # vLLM advanced it while scheduling
-                if bundle_rule(request.lora_request.lora_path).active_in(first, first + scheduled,
-                                                                         _rule_prompt_length(request)):
-                    active.add(request.lora_request.lora_int_id)
-            with open(trace, "a") as handle:
-                handle.write(f"{len(self.running)} {len(adapters)} {len(active)}\n")
+        slot_user = self.admission is not None and hasattr(self.admission.order, "used")
+        if (trace and self.running) or slot_user:
+            active = self.step_loras(output)
+            if slot_user:  # the adapter-group order mirrors the worker's adapter caches
+                self.admission.order.used(active)
+            if trace and self.running:
+                adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+                with open(trace, "a") as handle:
+                    handle.write(f"{len(self.running)} {len(adapters)} {len(active)}\n")
         return output
+
+    def step_loras(self, output) -> set[int]:
+        """The LoRA adapters a scheduled step's tokens run with (the worker activates these: what
+        holds a slot), under each request's rule."""
+        active = set()
+        for request_id, scheduled in output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.lora_request is None:
+                continue
+            first = request.num_computed_tokens - scheduled  # vLLM advanced it while scheduling
+            if bundle_rule(request.lora_request.lora_path).active_in(first, first + scheduled,
+                                                                     _rule_prompt_length(request)):
+                active.add(request.lora_request.lora_int_id)
+        return active
 
     def new_step(self, now: float) -> SchedulerStep:
         """The record of a step starting at ``now``: its prefill budget asked of the chunk policy."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from preft.serving import SCHEDULER_CLS
 from preft.serving.bundle_store import BundleStore
-from preft.serving.scheduling.spec import SCHEDULER_CHOICES, SchedulerSpec
+from preft.serving.scheduling.spec import PREFIX_ADMISSIONS, SCHEDULER_CHOICES, SchedulerSpec
 
 
 def vllm_lora_rank(max_rank: int) -> int:
@@ -165,7 +165,7 @@ def scheduler_spec(args) -> dict:
     if any(a == "--async-scheduling" or a.startswith("--async-scheduling=") for a in args.vllm_args):
         raise ValueError("--async-scheduling cannot run with PreFT's scheduler (a synchronous vLLM Scheduler "
                          "subclass); PreFT turns async scheduling off")
-    if name_only.admission != "fcfs" and "--no-enable-prefix-caching" in args.vllm_args:
+    if name_only.admission in PREFIX_ADMISSIONS and "--no-enable-prefix-caching" in args.vllm_args:
         raise ValueError(f"--scheduler {args.scheduler} orders requests by their prefix-cache blocks: it needs "
                          "prefix caching (drop --no-enable-prefix-caching)")
     state = None
@@ -188,7 +188,8 @@ def scheduler_spec(args) -> dict:
         feather_max_wait_s=args.feather_max_wait_s)
     try:
         policy_from_spec(spec)
-        admission_from_spec(spec, cache=object())  # reads the Feather state: a bad file fails now
+        # reads the Feather state: a bad file fails now
+        admission_from_spec(spec, cache=object(), adapter_of={}.get, slots=args.max_adapters)
     except ValueError as err:
         raise ValueError(f"--scheduler: {err}") from None
     return spec.to_json()

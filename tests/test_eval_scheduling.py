@@ -47,7 +47,7 @@ def test_goodput_runs_the_simulator_and_the_real_engine_side_by_side(profile, tm
     result = eval_goodput.main(model="default", cost_model=profiled["cost_model_path"], workloads="chat,long",
                                policies="default,fixed:16,sloweave", tpot_scales="2", loads="0.5,1.5", requests=60,
                                engine_policies="sloweave", engine_workload="mixed", engine_load=0.5,
-                               engine_requests=24, out=str(tmp_path))
+                               engine_requests=24, adapters=4, slots=2, out=str(tmp_path))
     rows = result["simulation"]
     assert {(r["workload"], r["load"], r["policy"]) for r in rows} == {
         (w, l, p) for w in ("chat", "long") for l in (0.5, 1.5) for p in ("default", "fixed:16", "sloweave")}
@@ -58,6 +58,8 @@ def test_goodput_runs_the_simulator_and_the_real_engine_side_by_side(profile, tm
     assert ttft[1.5] > ttft[0.5]
     fidelity = {r["policy"]: r for r in result["fidelity"]["rows"]}
     assert set(fidelity) == {"sloweave"}  # one server keeps the test short; fixed chunks: test_chunk_policies_engine
+    # the slot-limited regime: 4 LoRA-P adapters on 2 slots, on the engine and in the simulator
+    assert result["settings"]["slots"] == 2 and result["settings"]["bundles"] == [f"lora{i}" for i in range(4)]
     for policy, row in fidelity.items():
         assert row["failed"] == 0 and row["engine"]["requests"] == 24  # every request answered by the real server
         assert row["profiled"]["requests"] == row["in_situ"]["requests"] == 24

@@ -59,3 +59,47 @@ def test_a_request_without_a_slot_is_passed_over_and_keeps_its_place():
     assert max(result.step_adapters) == 1
     with pytest.raises(ValueError, match="max_loras"):
         Simulator(COST, VllmDefault(), max_loras=0)
+
+
+
+def test_adapter_groups_bring_fewer_adapters_in_and_starve_no_one():
+    """Requests over 32 adapters arriving faster than 4 slots turn over (a queue forms): the
+    adapter-group order gives each step's slots to the adapters with the most waiting requests,
+    so the steps bring fewer adapters in (into a slot, into host memory) than vLLM's order
+    (the oldest requests' adapters), and its age bound keeps every request's wait bounded."""
+    import random
+
+    from preft.serving.scheduling.adapter_groups import AdapterGroups
+
+    rng = random.Random(3)
+    work = [RequestSpec(f"r{i}", 0.004 * i, 32, 16, adapter=f"user{rng.randrange(32)}") for i in range(600)]
+    adapter_of = {spec.request_id: spec.adapter for spec in work}.get
+    rules = {f"user{i}": PREFILL_ONLY for i in range(32)}
+
+    def simulate(admission):
+        return Simulator(COST, VllmDefault(), max_num_seqs=64, record_shapes=True, adapter_rules=rules, max_loras=4,
+                         host_adapters=8, admission=admission).run(work)
+
+    fcfs = simulate(None)
+    groups = simulate(lambda cache: AdapterGroups(adapter_of, slots=4, host=8, max_wait_s=1.0))
+    assert len(groups.timings) == len(fcfs.timings) == 600
+    assert max(groups.step_adapters) <= 4 and max(fcfs.step_adapters) <= 4
+    print(groups.slot_loads, fcfs.slot_loads, groups.host_loads, fcfs.host_loads)
+    assert groups.slot_loads < 0.9 * fcfs.slot_loads and groups.host_loads < 0.9 * fcfs.host_loads
+    waits = [t.first_token_s - t.arrival_s for t in groups.timings]
+    print(max(waits), max(t.first_token_s - t.arrival_s for t in fcfs.timings))
+
+
+def test_eval_commands_simulate_the_slots_they_serve():
+    """``preft eval goodput --adapters N --slots S`` (and ``eval prefix --slots``): request i on
+    adapter i % N, as vLLM's benchmark client sends it, and S slots in the simulator."""
+    from preft.eval.common import simulate_policy, with_adapters
+
+    work = [RequestSpec(f"r{i}", 0.0, 32, 16) for i in range(64)]
+    assert [s.adapter for s in with_adapters(work, {"adapters": 16})[:18:17]] == ["lora0", "lora1"]
+    assert with_adapters(work, {}) is work
+    settings = {"max_chunk": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 2048, "adapters": 16}
+    unlimited = simulate_policy(COST, "default", work, settings, 1.0, record=True)
+    limited = simulate_policy(COST, "default", work, {**settings, "slots": 4}, 1.0, record=True)
+    assert max(unlimited.step_adapters) == 16 and max(limited.step_adapters) == 4
+    assert limited.clock_s > unlimited.clock_s  # 16 prompts' adapters through 4 slots take more steps

@@ -16,6 +16,10 @@ waiting again: preempted, or not placed this step; it goes back in front, as old
   selection, as SGLang does.
 - :class:`FeatherOrder`: :class:`~preft.serving.scheduling.feather.FeatherAdmission` over a
   :class:`~preft.serving.scheduling.chunked_hash_tree.ChunkedHashTree` of the working set.
+- :class:`~preft.serving.scheduling.adapter_groups.AdapterGroups`: each step's adapter slots to
+  the adapters with the most waiting requests (those in a slot or host memory first among
+  equals), with an age bound. It also hears ``new_step()`` before each step and
+  ``used(adapters)`` after it: the adapters the step ran with.
 """
 
 from __future__ import annotations
@@ -129,8 +133,10 @@ class FeatherOrder:
 
 
 def make_admission(name: str, cache=None, bandit: FeatherBandit | None = None, max_wait_s: float = 10.0,
-                   learn: bool = True):
-    """A fresh admission order by name; ``lpm`` needs ``cache`` (anything with ``hit_blocks(keys)``)."""
+                   learn: bool = True, adapter_of=None, slots: int | None = None, host: int | None = None):
+    """A fresh admission order by name; ``lpm`` needs ``cache`` (anything with ``hit_blocks(keys)``);
+    ``groups`` needs ``adapter_of`` (request id -> its LoRA adapter or None) and ``slots``
+    (vLLM's ``max_loras``; ``host``: its ``max_cpu_loras``)."""
     if name == "fcfs":
         return FirstComeFirstServed()
     if name == "lpm":
@@ -139,13 +145,22 @@ def make_admission(name: str, cache=None, bandit: FeatherBandit | None = None, m
         return LongestPrefixMatch(cache)
     if name == "feather":
         return FeatherOrder(bandit, max_wait_s=max_wait_s, learn=learn)
+    if name == "groups":
+        from preft.serving.scheduling.adapter_groups import AdapterGroups
+
+        if adapter_of is None or not slots:
+            raise ValueError("the groups admission order needs the requests' adapters and the engine's "
+                             "adapter slots")
+        return AdapterGroups(adapter_of, slots, host)
     raise ValueError(f"unknown admission order {name!r} (choose from {', '.join(ADMISSIONS)})")
 
 
-def admission_from_spec(spec: SchedulerSpec | dict, cache=None):
+def admission_from_spec(spec: SchedulerSpec | dict, cache=None, adapter_of=None, slots: int | None = None,
+                        host: int | None = None):
     """The admission order a scheduler spec names (``feather`` in ``feather+sloweave``), or None
     for ``fcfs`` (the engine keeps vLLM's own queue). Feather's table is read from
-    ``feather_state`` when that file exists (else it starts empty)."""
+    ``feather_state`` when that file exists (else it starts empty); ``adapter_of``, ``slots``
+    and ``host`` are the adapter-group order's (:func:`make_admission`)."""
     from pathlib import Path
 
     spec = spec if isinstance(spec, SchedulerSpec) else SchedulerSpec.from_json(spec)
@@ -154,4 +169,5 @@ def admission_from_spec(spec: SchedulerSpec | dict, cache=None):
     state = spec.feather_state
     bandit = FeatherBandit.load(state) if state and Path(state).exists() else None
     max_wait_s = spec.feather_max_wait_s if spec.feather_max_wait_s is not None else 10.0
-    return make_admission(spec.admission, cache=cache, bandit=bandit, max_wait_s=max_wait_s)
+    return make_admission(spec.admission, cache=cache, bandit=bandit, max_wait_s=max_wait_s, adapter_of=adapter_of,
+                          slots=slots, host=host)

@@ -24,7 +24,8 @@ capacity unless a prefix cache is given.
 
 With ``prefix_cache`` (:class:`.prefix_cache.PrefixCache`) a request's cached prefix blocks are
 not computed again and admission waits for KV blocks; with ``admission`` (:mod:`.admission`)
-the waiting requests join in that order (FCFS, LPM, Feather) instead of first come first served.
+the waiting requests join in that order (FCFS, LPM, Feather, adapter groups: it hears the
+adapters each step ran with, as in the engine) instead of first come first served.
 
 With ``max_loras`` (vLLM's adapter slots) at most that many distinct adapters are held at once:
 a request holds its adapter's slot from its first prefill token while any of its positions is
@@ -32,7 +33,10 @@ still active under its rule (``adapter_rules``, default all-token): a prefill-on
 it back when its prompt is done, an all-token one at its last token. A waiting request whose
 adapter would be one slot too many is passed over for this step and stays in its place, as
 vLLM's scheduler skips it; ``step_adapters`` records, per step, the distinct adapters active in
-it.
+it, and ``slot_loads`` / ``host_loads`` count the adapters a step had to bring into a slot / into
+host memory (vLLM's two least-recently-used caches, ``max_loras`` and ``max_cpu_loras``:
+``host_adapters``, default every adapter). Their cost is not modelled: the counts say how often
+the engine would pay it.
 
 ``shared_context_cost`` (default 1: no effect) is what a decode's context token costs when
 another decode of the same step reads the same prompt block (a prefix-homogeneous batch reads
@@ -80,6 +84,8 @@ class SimulationResult:
     # with the arrival it was given)
     recomputed_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens it prefilled
     step_adapters: list[int] = field(default_factory=list)  # distinct adapters active per step, when recorded
+    slot_loads: int = 0  # adapters a step brought into a slot (with max_loras)
+    host_loads: int = 0  # adapters a step brought into host memory (with max_loras)
 
     def summary(self, ttft_s: float, tpot_s: float) -> dict:
         from preft.serving.scheduling.metrics import summarize
@@ -94,7 +100,8 @@ class Simulator:
     def __init__(self, cost_model: StepCostModel, policy, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, gap_s: float | None = None, record_shapes: bool = False,
                  admission=None, prefix_cache=None, adapter_rules: dict | None = None,
-                 shared_context_cost: float = 1.0, max_loras: int | None = None) -> None:
+                 shared_context_cost: float = 1.0, max_loras: int | None = None,
+                 host_adapters: int | None = None) -> None:
         self.cost_model, self.policy = cost_model, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.gap_s = cost_model.meta.get("gap_s", 0.0) if gap_s is None else gap_s
@@ -108,6 +115,7 @@ class Simulator:
         if max_loras is not None and max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         self.max_loras = max_loras
+        self.host_adapters = host_adapters
 
     def holds_slot(self, request: _Running) -> bool:
         """Whether ``request`` still needs its adapter: some position from ``computed`` on is active."""
@@ -121,6 +129,7 @@ class Simulator:
         from preft.serving.scheduling.prefix_cache import filled_keys, workload_keys
 
         from preft.serving.scheduling.online_cost_model import online_model_of
+        from preft.serving.scheduling.adapter_groups import LeastRecentlyUsed
 
         learner = online_model_of(self.policy)
         cache = self.prefix_cache_factory() if self.prefix_cache_factory else None
@@ -143,6 +152,10 @@ class Simulator:
         timings: list[RequestTiming] = []
         shapes: list[tuple[int, int, int]] = []
         step_adapters: list[int] = []
+        slot_cache = LeastRecentlyUsed(self.max_loras) if self.max_loras else None
+        host_cache = LeastRecentlyUsed(max(self.max_loras, self.host_adapters)) if self.max_loras and \
+            self.host_adapters else None
+        slot_loads = host_loads = 0
         now, steps = 0.0, 0
         waiting_tokens = 0  # prompt tokens of the waiting queue, kept as it changes (no rescan per step)
         while arrivals or waiting or running:
@@ -164,6 +177,8 @@ class Simulator:
                             context_tokens=sum(r.computed for r in decodes) + first_context,
                             pending_prefill_tokens=pending_tokens)
             prefill_budget = self.policy.prefill_budget(view)
+            if hasattr(admission, "new_step"):  # the adapter-group order ranks the waiting adapters
+                admission.new_step()
             token_budget = self.max_num_batched_tokens
             scheduled: list[tuple[_Running, int]] = []
             context = 0
@@ -217,9 +232,16 @@ class Simulator:
                                    f"larger than the KV cache?)")
             n = sum(1 for request, tokens in scheduled if not request.prefilling)
             c = sum(tokens for request, tokens in scheduled if request.prefilling)
-            if self.record_shapes:
-                shapes.append((n, c, context))
-                step_adapters.append(len({r.spec.adapter for r, _ in scheduled if self.holds_slot(r)}))
+            if self.record_shapes or hasattr(admission, "used") or slot_cache is not None:
+                active = {r.spec.adapter for r, _ in scheduled if self.holds_slot(r)}
+                for adapter in sorted(active) if slot_cache is not None else ():  # as vLLM's worker caches them
+                    slot_loads += slot_cache.touch(adapter)
+                    host_loads += host_cache.touch(adapter) if host_cache is not None else 0
+                if hasattr(admission, "used"):  # the adapter-group order: the adapters this step ran with
+                    admission.used(active)
+                if self.record_shapes:
+                    shapes.append((n, c, context))
+                    step_adapters.append(len(active))
             if self.shared_context_cost < 1.0:  # decodes reading one prompt block: the later readers cost less
                 blocks = [key for request, _ in scheduled if not request.prefilling
                           for key in keys[request.spec.request_id]]
@@ -258,4 +280,5 @@ class Simulator:
             running = still
         if follow_ups:  # they wait on a request the workload does not have
             raise ValueError(f"follow-up turns after requests not in the workload: {sorted(follow_ups)[:3]}")
-        return SimulationResult(timings, steps, now, shapes, finished_specs, recomputed, step_adapters)
+        return SimulationResult(timings, steps, now, shapes, finished_specs, recomputed, step_adapters, slot_loads,
+                                host_loads)

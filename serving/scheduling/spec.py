@@ -31,12 +31,14 @@ import math
 import re
 from dataclasses import asdict, dataclass, fields, replace
 
-ADMISSIONS = ("fcfs", "lpm", "feather")
+ADMISSIONS = ("fcfs", "lpm", "feather", "groups")
+#: the admission orders that rank requests by their prefix-cache blocks (they need prefix caching)
+PREFIX_ADMISSIONS = ("lpm", "feather")
 #: the prefill chunk policies by the form of their names (``cycle:`` is ``preft eval profile``'s)
 CHUNK_POLICY_NAMES = re.compile(r"default|fixed:\d+|cycle:\d+(,\d+)*|sloweave|wavepp|sloweave\+wavepp")
 #: what ``--scheduler`` takes, for its help and its errors
 SCHEDULER_CHOICES = ("a prefill chunk policy (default, fixed:TOKENS, sloweave, wavepp, sloweave+wavepp; "
-                     "cycle:TOKENS,TOKENS,... for profiling) and/or an admission order (fcfs, lpm, feather), "
+                     "cycle:TOKENS,TOKENS,... for profiling) and/or an admission order (fcfs, lpm, feather, groups), "
                      "joined by '+', e.g. feather+sloweave")
 
 

@@ -162,6 +162,16 @@ def test_decoding_requests_hold_no_adapter_slot(bundles, base_path, tokenizer, t
     assert max(running for _, running, _ in steps) > 1, "decoding requests should not hold the single adapter slot"
     # what holds a slot is what the simulator counts: at most max_loras adapters still active
     assert max(active for _, _, active in steps) == 1
+    # the adapter-group admission order (preft serve --scheduler groups) keeps the tokens and the bound
+    driver = shared_pool().get(base_path, engine)
+    trace.unlink()
+    try:
+        assert driver.set_scheduler({"name": "groups"})["admission"] == "groups"
+        assert run_engine(base_path, tmp_path, requests, engine, new_tokens=new_tokens)[0] == reference
+    finally:
+        driver.set_scheduler({"name": "default"})
+    steps = [[int(v) for v in line.split()] for line in trace.read_text().splitlines()]
+    assert max(running for _, running, _ in steps) > 1 and max(active for _, _, active in steps) == 1
 
 
 @pytest.mark.slow
