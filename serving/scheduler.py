@@ -136,6 +136,7 @@ class PreftScheduler(Scheduler):
         self.feather_saved_s = self.cost_saved_s = time.monotonic()
         self.set_policies(envs.PREFT_SCHEDULER)
         self.last_token_s: dict[str, float] = {}  # request id -> monotonic time of its latest token
+        self.first_token_s: dict[str, float] = {}  # request id -> monotonic time of its first token
         self.last_output_s: float | None = None
         self.step_trace = envs.PREFT_STEP_TRACE
         logger.info("preft: prefill chunk policy %s", self.chunk_policy.name)
@@ -276,10 +277,12 @@ class PreftScheduler(Scheduler):
     def step_view(self, now: float) -> StepView:
         """What the chunk policy sees: running decodes (their last-token times), prefill left over
         running and waiting requests (prefix-cache hits not yet known count as prefill)."""
-        last_times, context, first_pending, pending = [], 0, None, 0
+        last_times, first_times, outputs, context, first_pending, pending = [], [], [], 0, None, 0
         for request in self.running:
             if _is_decode(request, request.num_computed_tokens):
                 last_times.append(self.last_token_s.get(request.request_id, now))
+                first_times.append(self.first_token_s.get(request.request_id, last_times[-1]))
+                outputs.append(max(1, request.num_output_tokens))
                 context += request.num_computed_tokens
             else:
                 pending += request.num_tokens - request.num_computed_tokens
@@ -287,6 +290,7 @@ class PreftScheduler(Scheduler):
         for request in self.waiting:
             pending += request.num_tokens - request.num_computed_tokens
         return StepView(now=now, decode_last_token_times=tuple(last_times),
+                        decode_first_token_times=tuple(first_times), decode_output_tokens=tuple(outputs),
                         context_tokens=context + (first_pending or 0), pending_prefill_tokens=pending)
 
     def _record_step(self, scheduler_output, model_runner_output, now: float) -> None:
@@ -296,8 +300,10 @@ class PreftScheduler(Scheduler):
         for request_id, index in model_runner_output.req_id_to_index.items():
             if index < len(sampled) and sampled[index]:
                 self.last_token_s[request_id] = now
+                self.first_token_s.setdefault(request_id, now)
         if len(self.last_token_s) > 2 * len(self.requests) + 64:  # forget finished requests
             self.last_token_s = {k: v for k, v in self.last_token_s.items() if k in self.requests}
+            self.first_token_s = {k: v for k, v in self.first_token_s.items() if k in self.requests}
         if self.preft_step.started_s is None or not (self.step_trace or self.admission is not None
                                                      or self.cost_learner is not None):
             return

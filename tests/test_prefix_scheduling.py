@@ -440,3 +440,20 @@ def test_the_simulator_sends_a_later_turn_after_the_answer_and_preft_prefills_th
     extra = sum(results["preft"].recomputed_tokens[s.request_id] - results["base"].recomputed_tokens[s.request_id]
                 for s in later)
     assert extra > 0  # the answers PreFT prefills again
+
+
+def test_the_conversations_part_simulates_fewer_slots_than_users():
+    """``preft eval prefix --parts conversations --slots S``: the simulator gives the 8 users' adapters
+    S slots; all-token conversations, which hold a slot to their last token, lose more than PreFT's."""
+    from preft.eval import prefix_conversations
+    from preft.serving.scheduling.cost_model import StepCostModel
+
+    work = workloads.conversation_workload(24, rate=8.0, seed=2, max_model_len=512, users=prefix_conversations.USERS)
+    cost = StepCostModel([0.019, 0.0, 0.0003, 0.002, 0.0007, 0.0, 0.0, 0.0])
+    settings = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "engine_blocks": 400}
+
+    def throughput(variant, slots):
+        return prefix_conversations.simulate(work, variant, cost, {**settings, "slots": slots})["output_throughput"]
+
+    loss = {variant: throughput(variant, 1) / throughput(variant, 0) for variant in ("preft", "all-token")}
+    assert loss["preft"] > 0.95 and loss["all-token"] < 0.9  # PreFT barely feels one slot; all-token does

@@ -89,6 +89,23 @@ def test_sloweave_picks_the_largest_chunk_that_meets_the_earliest_deadline():
     assert careful.prefill_budget(view(0.001, [0.0], 0, 5000)) < policy.prefill_budget(view(0.001, [0.0], 0, 5000))
 
 
+def test_sloweave_spends_the_slack_a_request_built_up_under_its_mean_tpot():
+    """TPOT is a request's mean time per token after its first: a request whose 20 tokens came at
+    half the target has 100 ms in hand, and SLOWeave gives it to a larger chunk; a request behind
+    its mean still gets TPOT from its last token, never less."""
+    cost = StepCostModel.synthetic()
+    policy = SLOWeave(cost, tpot_s=0.010, max_chunk=2048)
+    now = 1.0
+    strict = policy.prefill_budget(view(now, [now - 0.004], 100, 5000))
+    ahead = StepView(now=now, decode_last_token_times=(now - 0.004,), context_tokens=100, pending_prefill_tokens=5000,
+                     decode_first_token_times=(now - 0.1,), decode_output_tokens=(20,))
+    assert policy.budget_s(ahead) == pytest.approx(0.1)  # f + k * TPOT - now = 0.9 + 0.2 - 1.0
+    assert policy.prefill_budget(ahead) == 2048 > 2 * strict  # C_max, where one token from the last allows less
+    behind = StepView(now=now, decode_last_token_times=(now - 0.004,), context_tokens=100, pending_prefill_tokens=5000,
+                      decode_first_token_times=(now - 0.5,), decode_output_tokens=(20,))
+    assert policy.prefill_budget(behind) == strict
+
+
 def test_policies_by_name_and_their_errors(tmp_path):
     assert isinstance(make_policy("default"), VllmDefault)
     assert make_policy("fixed:256").prefill_budget(view(pending=1000)) == 256

@@ -38,6 +38,10 @@ class StepView:
     decode_last_token_times: tuple[float, ...]  # one per request decoding this step
     context_tokens: int  # KV already cached for the step's decodes and its first pending prefill
     pending_prefill_tokens: int  # prefill tokens left, over every request still to prefill
+    # the decodes' first-token times and output tokens so far, in the order of their last-token
+    # times (empty: unknown; SLOWeave then keeps every next token within TPOT of the last)
+    decode_first_token_times: tuple[float, ...] = ()
+    decode_output_tokens: tuple[int, ...] = ()
 
     @property
     def num_decodes(self) -> int:

@@ -47,6 +47,11 @@ that KV once into cache, and attention over it is cheaper). The step is then cos
 where ``duplicated_tokens`` counts the decodes' prompt blocks beyond each block's first reader.
 ``preft eval prefix`` sets it from its direct measurement on the engine (``decode-batch``), so
 the simulator carries the effect exactly as far as it was measured.
+
+With a :class:`~.roofline.RooflineCostModel` (``preft eval plan``) each step is costed from all
+its terms instead (:meth:`Simulator.roofline_step`): the decodes' and the chunks' context
+apart, a prompt block several decodes read counted once, and the distinct adapters active in
+the step with the tokens they touch.
 """
 
 from __future__ import annotations
@@ -124,6 +129,28 @@ class Simulator:
         rule = self.adapter_rules.get(request.spec.adapter) or ALL_TOKEN
         return rule.needs_adapter_from(request.computed, request.spec.prompt_tokens)
 
+    def roofline_step(self, scheduled: list, keys: dict, block: int) -> float:
+        """A step costed by a :class:`~.roofline.RooflineCostModel`: the decodes' and the chunks'
+        context apart, the decodes' prompt blocks read more than once in the step (read once), and
+        the adapters active in the step with the tokens they touch (under each request's rule)."""
+        decodes = [(r, t) for r, t in scheduled if not r.prefilling]
+        chunks = [(r, t) for r, t in scheduled if r.prefilling]
+        blocks = [key for request, _ in decodes for key in keys[request.spec.request_id]]
+        adapters, adapter_tokens = set(), 0
+        for request, tokens in scheduled:
+            if request.spec.adapter is None:
+                continue
+            rule = self.adapter_rules.get(request.spec.adapter) or ALL_TOKEN
+            active = rule.active_count(request.computed, request.computed + tokens, request.spec.prompt_tokens)
+            if active:
+                adapters.add(request.spec.adapter)
+                adapter_tokens += active
+        return self.cost_model.step(len(decodes), sum(t for _, t in chunks),
+                                    decode_context=sum(r.computed for r, _ in decodes),
+                                    prefill_context=sum(r.computed for r, _ in chunks),
+                                    shared_context=(len(blocks) - len(set(blocks))) * block,
+                                    adapters=len(adapters), adapter_tokens=adapter_tokens)
+
     def run(self, workload: list[RequestSpec]) -> SimulationResult:
         from preft.serving.scheduling.admission import FirstComeFirstServed
         from preft.serving.scheduling.prefix_cache import filled_keys, workload_keys
@@ -174,6 +201,8 @@ class Simulator:
             pending_tokens = sum(r.spec.prompt_tokens - r.computed for r in pending)
             pending_tokens += waiting_tokens
             view = StepView(now=now, decode_last_token_times=tuple(r.last_token_s for r in decodes),
+                            decode_first_token_times=tuple(r.first_token_s for r in decodes),
+                            decode_output_tokens=tuple(r.generated for r in decodes),
                             context_tokens=sum(r.computed for r in decodes) + first_context,
                             pending_prefill_tokens=pending_tokens)
             prefill_budget = self.policy.prefill_budget(view)
@@ -246,7 +275,10 @@ class Simulator:
                 blocks = [key for request, _ in scheduled if not request.prefilling
                           for key in keys[request.spec.request_id]]
                 context -= (1.0 - self.shared_context_cost) * (len(blocks) - len(set(blocks))) * block
-            step_s = self.cost_model(n, c, context)
+            if hasattr(self.cost_model, "step"):  # a roofline model: every term of the step
+                step_s = self.roofline_step(scheduled, keys, block)
+            else:
+                step_s = self.cost_model(n, c, context)
             if learner is not None:  # an online cost model learns from the step, as in the engine
                 learner.observe(n, c, context, step_s)
             end = now + step_s  # the step's tokens exist at its end

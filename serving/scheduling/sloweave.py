@@ -1,8 +1,18 @@
 """SLOWeave: each step, the largest prefill chunk predicted to finish before the earliest decode
 deadline (arXiv 2609.07883).
 
-For every active decode ``i`` the next token is due at ``d_i = last_token_time_i + TPOT``.
-With ``n`` decodes in the step and ``x`` context tokens, the step's prefill chunk is
+For every active decode ``i`` with ``k_i`` output tokens, the first at ``f_i`` and the latest at
+``l_i``, the next token is due at
+
+    d_i = max(l_i + TPOT, f_i + k_i · TPOT)
+
+TPOT as vLLM's benchmark and the SLO count it is a request's mean time per output token after
+the first, ``(t_{k+1} − f_i) / k``: it stays within the target while token ``k + 1`` comes by
+``f_i + k · TPOT``, so the slack a request built up (its tokens came faster than the target)
+may be spent on a larger prefill chunk; a request behind its mean is still given ``TPOT`` from
+its last token (never less, or one late request would hold every prefill back). Without first-
+token times in the view, ``d_i = l_i + TPOT``. With ``n`` decodes in the step and ``x``
+context tokens, the step's prefill chunk is
 
     B  = max(0, min_i d_i - now)
     c* = max { c <= min(C_max, remaining prefill) :  U(n, c, x) + margin <= B }
@@ -40,7 +50,11 @@ class SLOWeave:
 
     def budget_s(self, view: StepView) -> float:
         """``B = max(0, min_i d_i - now)``."""
-        return max(0.0, min(view.decode_last_token_times) + self.tpot_s - view.now)
+        deadlines = [last + self.tpot_s for last in view.decode_last_token_times]
+        if view.decode_first_token_times:  # the mean over the request's tokens: its slack may be spent
+            deadlines = [max(due, first + tokens * self.tpot_s) for due, first, tokens in
+                         zip(deadlines, view.decode_first_token_times, view.decode_output_tokens)]
+        return max(0.0, min(deadlines) - view.now)
 
     def prefill_budget(self, view: StepView) -> int:
         upper = min(self.max_chunk, view.pending_prefill_tokens)

@@ -120,7 +120,9 @@ def test_every_chunk_policy_gives_the_default_tokens(batch, engine):
     assert all(s["c"] <= (s["budget"] or 0) for s in tight if s["n"] > 0)
     moderate = steps["sloweave@500.0"]
     beside = [s for s in moderate if s["n"] > 0 and s["c"] > 0]
-    assert beside and all(0 < s["budget"] < 64 for s in beside)  # sized by the deadline, under C_max
+    # sized by the deadline: about 49 tokens fit a request's next-token deadline, more once its mean
+    # TPOT has built up slack (decode steps here take ~15 ms of the 500), never past C_max
+    assert beside and all(0 < s["budget"] <= 64 for s in beside)
     assert all(s["c"] <= s["budget"] for s in moderate)
     # SLOWeave with no cost model file: its online model left the conservative prior for a fit of
     # this engine's steps (written when the next policy took over), which predicts them better
