@@ -24,6 +24,8 @@ EVALS = {
     "gpu": ("preft.eval.gpu", "the GPU path in one short run (make gpu-check): parity with HF in bfloat16, "
                                    "Triton kernels vs references, throughput at 1/64/512 adapters"),
     "soak": ("preft.eval.soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
+    "plan": ("preft.eval.plan", "the GPU regime in simulation: a roofline cost model of a named GPU and model "
+                                     "through the simulator, PreFT vs all-token and SLOWeave, beside the papers"),
     "report": ("preft.eval.report", "every eval result in one report, and the accuracy/throughput figure"),
 }
 

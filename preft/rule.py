@@ -56,6 +56,12 @@ class AdapterRule:
             return first < end
         return bool(is_active(max(first, self.adapter_start), min(end, prompt_length), self.adapter_start))
 
+    def active_count(self, first: int, end: int, prompt_length: int) -> int:
+        """How many positions in ``[first, end)`` are active (a step's adapter tokens, for cost models)."""
+        if not self.prefill_only:
+            return max(0, end - first)
+        return max(0, min(end, prompt_length) - max(first, self.adapter_start))
+
     def needs_adapter_from(self, position: int, prompt_length: int) -> bool:
         """Whether any position ``>= position`` is still active. False for a prefill-only
         request past its prompt: it decodes on the base model and needs no adapter slot."""

@@ -1,0 +1,247 @@
+"""`preft eval plan`: the GPU regime in simulation, from a roofline cost model of a named GPU and
+model, beside the papers' figures. Simulation, stated as such: no GPU runs here.
+
+    preft eval plan [--hardware H100] [--model llama-3.1-8b] [--tp 1] [--adapters 1,64,512]
+                    [--slots 16] [--requests 1000] [--out runs/eval]
+
+The step cost is :class:`~preft.serving.scheduling.roofline.RooflineCostModel` (``--hardware``:
+A100, H100, H200, H200-measured; ``--model``: a preset or a local model directory's
+config.json), run through the same simulator and policy objects as the engine, with vLLM's GPU
+defaults (256 running requests, 8192 tokens a step). Two parts:
+
+- **adapters**: output tokens/s of the base model, PreFT (LoRA-P, LoReFT-P) and all-token
+  multi-adapter serving (LoRA, LoReFT) with N = ``--adapters`` adapters on ``--slots`` slots
+  (``min(N, slots)``), request i on adapter i % N, the ``mixed`` workload offered at twice the base
+  model's capacity (throughput). A prefill-only request holds its slot until its prompt is done,
+  an all-token one to its last token; the roofline charges each step its distinct adapters'
+  weights and the tokens they touch. The paper: LoRA-P 1.87x and ReFT-P 1.9x all-token at 512
+  adapters on Llama-3.1-70B, LoRA-P 1.83x on 8B.
+- **sloweave**: goodput of SLOWeave against vLLM's default and fixed chunks on the ``mixed`` and
+  ``long`` workloads at TPOT targets of 25 and 10 ms, at 0.5 / 0.75 / 1.0 / 1.25 of capacity
+  (TTFT target: ten times the step that prefills the p95 prompt alone). The paper: +39% / +38%
+  goodput at 25 ms, 3.3x / 2.4x at 10 ms.
+
+Writes ``OUT/plan/results.json``, ``plan.md`` and one figure per part.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from preft.eval.results import save_run
+
+PAPER = {"adapters": "LoRA-P 1.87x, ReFT-P 1.9x all-token at 512 adapters (Llama-3.1-70B); LoRA-P 1.83x (8B)",
+         "sloweave": "+39% (mixed) / +38% (long) goodput at 25 ms TPOT; 3.3x / 2.4x at 10 ms"}
+FIXED = ("default", "fixed:256", "fixed:512", "fixed:1024", "fixed:2048")
+ENGINE = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_chunk": 8192}
+
+
+def roofline(hardware: str, model: str, tp: int, adapter: str = "lora"):
+    from preft.serving.scheduling.roofline import HARDWARE, MODELS, ModelShape, RooflineCostModel
+
+    if hardware not in HARDWARE:
+        raise ValueError(f"--hardware {hardware!r}: choose from {', '.join(HARDWARE)}")
+    shape = MODELS.get(model.lower()) or (ModelShape.from_config(model) if Path(model).exists() else None)
+    if shape is None:
+        raise ValueError(f"--model {model!r}: a preset ({', '.join(MODELS)}) or a local model directory")
+    return RooflineCostModel(shape, HARDWARE[hardware], tp=tp, adapter=adapter)
+
+
+def simulate(cost_model, policy, work, rules: dict | None = None, slots: int | None = None):
+    from preft.serving.scheduling.simulator import Simulator
+
+    return Simulator(cost_model, policy, max_num_seqs=ENGINE["max_num_seqs"],
+                     max_num_batched_tokens=ENGINE["max_num_batched_tokens"], adapter_rules=rules or {},
+                     max_loras=slots).run(work)
+
+
+def capacity(cost_model, kind: str, max_len: int, probe: int = 400) -> float:
+    """The highest rate vLLM's default order and chunking serves in the simulator (eval goodput's test)."""
+    from preft.eval.common import capacity as engine_capacity
+
+    settings = {**ENGINE, "probe_requests": probe, "max_len": max_len}
+    return engine_capacity(cost_model, kind, settings)
+
+
+def output_throughput(result) -> float:
+    timings = result.timings
+    return sum(t.output_tokens for t in timings) / (max(t.finish_s for t in timings) - min(t.arrival_s for t in timings))
+
+
+def adapters_part(hardware: str, model: str, tp: int, counts: list[int], slots: int, requests: int,
+                  max_len: int) -> list[dict[str, Any]]:
+    from dataclasses import replace
+
+    from preft.rule import ALL_TOKEN, AdapterRule
+    from preft.serving.scheduling import workloads
+    from preft.serving.scheduling.chunk_policies import VllmDefault
+
+    rows = []
+    base_model = roofline(hardware, model, tp)
+    rate = 2 * capacity(base_model, "mixed", max_len, probe=min(400, requests))
+    work = workloads.generate("mixed", requests, rate, seed=7, max_model_len=max_len)
+    base = output_throughput(simulate(base_model, VllmDefault(), work))
+    for kind in ("lora", "reft"):
+        cost_model = roofline(hardware, model, tp, adapter=kind)
+        for count in counts:
+            on = [replace(spec, adapter=f"a{i % count}") for i, spec in enumerate(work)]
+            held = min(count, slots)
+            row = {"adapter": kind, "adapters": count, "slots": held, "base_tok_s": base}
+            for variant, rule in (("preft", AdapterRule(prefill_only=True)), ("all-token", ALL_TOKEN)):
+                rules = {f"a{i}": rule for i in range(count)}
+                row[f"{variant}_tok_s"] = output_throughput(simulate(cost_model, VllmDefault(), on, rules, held))
+            row["preft_vs_all_token"] = row["preft_tok_s"] / row["all-token_tok_s"]
+            row["preft_vs_base"] = row["preft_tok_s"] / base
+            rows.append(row)
+            print(f"[plan] {kind} x{count} on {held} slots: PreFT {row['preft_vs_base']:.2f}x base, "
+                  f"{row['preft_vs_all_token']:.2f}x all-token", flush=True)
+    return rows
+
+
+def sloweave_part(hardware: str, model: str, tp: int, requests: int, max_len: int) -> list[dict[str, Any]]:
+    from preft.serving.scheduling import workloads
+    from preft.serving.scheduling.chunk_policies import make_policy
+    from preft.serving.scheduling.metrics import percentile
+
+    cost_model = roofline(hardware, model, tp)
+    rows = []
+    for kind in ("mixed", "long"):
+        rate0 = capacity(cost_model, kind, max_len, probe=min(400, requests))
+        probe = workloads.generate(kind, 400, rate0, seed=98, max_model_len=max_len)
+        ttft_s = 10 * cost_model(0, round(percentile([r.prompt_tokens for r in probe], 95)), 0)
+        for tpot_ms in (25.0, 10.0):
+            for load in (0.5, 0.75, 1.0, 1.25):
+                work = workloads.generate(kind, requests, load * rate0, seed=0, max_model_len=max_len)
+                goodput = {}
+                for name in (*FIXED, "sloweave"):
+                    policy = make_policy(name, cost_model=cost_model, tpot_s=tpot_ms / 1e3,
+                                         max_chunk=ENGINE["max_chunk"])
+                    goodput[name] = simulate(cost_model, policy, work).summary(ttft_s, tpot_ms / 1e3)["goodput"]
+                best = max(FIXED, key=lambda n: goodput[n])
+                rows.append({"workload": kind, "tpot_ms": tpot_ms, "load": load, "rate": load * rate0,
+                             "capacity": rate0, "ttft_ms": 1e3 * ttft_s, "goodput": goodput, "best_fixed": best,
+                             "sloweave_vs_best": goodput["sloweave"] / goodput[best] if goodput[best] else None,
+                             "sloweave_vs_default": goodput["sloweave"] / goodput["default"] if goodput["default"]
+                             else None})
+            print(f"[plan] SLOWeave, {kind} at {tpot_ms:g} ms: " + ", ".join(
+                f"{r['load']:g}: {r['sloweave_vs_best']:.2f}x" if r["sloweave_vs_best"] else f"{r['load']:g}: -"
+                for r in rows[-4:]), flush=True)
+    return rows
+
+
+def plot(result: dict, directory: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for kind, marker in (("lora", "o"), ("reft", "s")):
+        rows = [r for r in result["adapters"] if r["adapter"] == kind]
+        for variant, style in (("preft", "-"), ("all-token", "--")):
+            ax.plot([r["adapters"] for r in rows], [r[f"{variant}_tok_s"] / r["base_tok_s"] for r in rows], style,
+                    marker=marker, label=f"{variant} {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("adapters (slots: min(N, %d))" % result["settings"]["slots"])
+    ax.set_ylabel("output tok/s vs base")
+    ax.set_title(result["title"], fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(directory / "plan_adapters.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, kind in zip(axes, ("mixed", "long")):
+        for tpot_ms, style in ((25.0, "-"), (10.0, "--")):
+            rows = [r for r in result["sloweave"] if r["workload"] == kind and r["tpot_ms"] == tpot_ms]
+            ax.plot([r["load"] for r in rows], [r["sloweave_vs_best"] or 0 for r in rows], style, marker="o",
+                    label=f"TPOT {tpot_ms:g} ms")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(f"{kind}: SLOWeave goodput / best fixed chunk", fontsize=9)
+        ax.set_xlabel("load (fraction of capacity)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(result["title"], fontsize=9)
+    fig.tight_layout()
+    paths.append(directory / "plan_sloweave.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def markdown(result: dict) -> str:
+    lines = [f"## The GPU regime in simulation: {result['title']} (`preft eval plan`)\n",
+             f"Command: `{result['command']}`. **Simulated**, not measured: a roofline step cost "
+             f"(`serving/scheduling/roofline.py`; {result['hardware_source']}) through the engine's simulator and "
+             f"policy objects, vLLM's GPU defaults (256 running requests, 8192 tokens a step).\n",
+             "![adapters](plan_adapters.png)\n",
+             f"**Adapters** (the `mixed` workload at twice the base model's capacity, {result['settings']['requests']} "
+             f"requests; request i on adapter i % N; paper: {PAPER['adapters']}):\n",
+             "| adapter | N | slots | PreFT vs base | all-token vs base | PreFT vs all-token |", "|---|---|---|---|---|---|"]
+    for r in result["adapters"]:
+        lines.append(f"| {r['adapter']} | {r['adapters']} | {r['slots']} | {r['preft_vs_base']:.2f}x | "
+                     f"{r['all-token_tok_s'] / r['base_tok_s']:.2f}x | {r['preft_vs_all_token']:.2f}x |")
+    lines += ["", "![sloweave](plan_sloweave.png)\n",
+              f"**SLOWeave** (goodput over the best of {', '.join(FIXED)}; paper: {PAPER['sloweave']}):\n",
+              "| workload | TPOT | load | capacity (req/s) | best fixed | SLOWeave vs best | SLOWeave vs vLLM's default |",
+              "|---|---|---|---|---|---|---|"]
+    for r in result["sloweave"]:
+        ratio = f"{r['sloweave_vs_best']:.2f}x" if r["sloweave_vs_best"] else "- (no goodput)"
+        default = f"{r['sloweave_vs_default']:.2f}x" if r["sloweave_vs_default"] else "- (default: none)"
+        lines.append(f"| {r['workload']} | {r['tpot_ms']:g} ms | {r['load']:g} | {r['capacity']:.1f} | "
+                     f"{r['best_fixed']} | {ratio} | {default} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(hardware: str = "H100", model: str = "llama-3.1-8b", tp: int = 1, adapters: str = "1,64,512",
+         slots: int = 16, requests: int = 1000, max_len: int = 4096, out: str = "runs/eval") -> dict[str, Any]:
+    import inspect
+
+    from preft.eval.common import parse_list
+    from preft.eval.results import command_line
+
+    arguments = dict(locals())
+    values = {name: arguments[name] for name in inspect.signature(main).parameters}
+    started = time.time()
+    counts = parse_list(adapters, int, "adapters")
+    if min(counts) < 1 or slots < 1 or requests < 50 or tp < 1 or max_len < 256:
+        raise ValueError("--adapters and --slots must be >= 1, --requests >= 50, --tp >= 1, --max-len >= 256")
+    cost_model = roofline(hardware, model, tp)  # a bad name fails before anything runs
+    title = cost_model.source
+    result: dict[str, Any] = {"command": command_line("plan", main, values, always=("hardware", "model")),
+                              "title": title, "hardware_source": cost_model.hardware.source or "measured",
+                              "roofline": cost_model.to_json(),
+                              "settings": {"requests": requests, "slots": slots, "max_len": max_len, **ENGINE},
+                              "paper": PAPER}
+    result["adapters"] = adapters_part(hardware, model, tp, counts, slots, requests, max_len)
+    result["sloweave"] = sloweave_part(hardware, model, tp, requests, max_len)
+    directory = Path(out) / "plan"
+    directory.mkdir(parents=True, exist_ok=True)
+    figures = plot(result, directory)
+    result["wall_time_s"] = round(time.time() - started, 1)
+    result["sloweave_best"] = {f"{kind}@{tpot:g}": max((r["sloweave_vs_best"] or 0) for r in result["sloweave"]
+                                                       if r["workload"] == kind and r["tpot_ms"] == tpot)
+                               for kind in ("mixed", "long") for tpot in (25.0, 10.0)}
+    save_run(directory, "plan", result, markdown(result), also=tuple(figures))
+    return result
+
+
+def add_arguments(parser) -> None:
+    from preft.eval.results import add_flags
+
+    add_flags(parser, main, [
+        ("--hardware", str, "GPU preset: A100, H100, H200, H200-measured"),
+        ("--model", str, "model preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-0.5b, qwen3-8b) or a local model "
+                         "directory (its config.json)"),
+        ("--tp", int, "tensor-parallel GPUs"),
+        ("--adapters", str, "comma-separated adapter counts"),
+        ("--slots", int, "adapter slots (each count runs on min(N, slots))"),
+        ("--requests", int, "requests per simulated run"),
+        ("--max-len", int, "the longest prompt + output (the workloads' lengths scale with it)"),
+        ("--out", str, "results directory"),
+    ])
