@@ -28,3 +28,27 @@ def test_plan_simulates_adapters_and_sloweave_on_a_named_gpu(tmp_path):
         assert (tmp_path / "plan" / figure).stat().st_size > 1000
     with pytest.raises(ValueError, match="--hardware 'B200'"):
         eval_plan.main(hardware="B200")
+
+
+def test_plan_and_the_simulator_import_nothing_of_vllm_or_trl(tmp_path):
+    """`import preft` and `preft eval plan` run where vLLM and TRL are absent (a torch-only GPU
+    machine): a subprocess whose imports of them fail."""
+    import subprocess
+    import sys
+
+    code = f"""
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("vllm", "trl"):
+            raise ImportError(name + " is hidden")
+sys.meta_path.insert(0, Hide())
+import preft
+from preft.eval import plan
+result = plan.main(hardware="H100", model="qwen2.5-0.5b", adapters="8", slots=4, requests=50, max_len=1024,
+                   out={str(tmp_path)!r})
+assert "vllm" not in sys.modules and "trl" not in sys.modules
+print("ok", round(result["adapters"][0]["preft_vs_all_token"], 2))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
