@@ -20,6 +20,10 @@ defaults (256 running requests, 8192 tokens a step). Two parts:
   ``long`` workloads at TPOT targets of 25 and 10 ms, at 0.5 / 0.75 / 1.0 / 1.25 of capacity
   (TTFT target: ten times the step that prefills the p95 prompt alone). The paper: +39% / +38%
   goodput at 25 ms, 3.3x / 2.4x at 10 ms.
+- **feather**: output tokens/s of FCFS, LPM and Feather admission on the ``shared`` prefix
+  workload and on ``no-sharing``, offered at once, with a prefix cache of what the GPU's memory
+  holds beside the weights; the roofline reads a prefix shared by a step's decodes once. The
+  paper: 2-10x FCFS with sharing, no worse without.
 
 Writes ``OUT/plan/results.json``, ``plan.md`` and one figure per part.
 """
@@ -34,7 +38,10 @@ from typing import Any
 from preft.eval.results import save_run
 
 PAPER = {"adapters": "LoRA-P 1.87x, ReFT-P 1.9x all-token at 512 adapters (Llama-3.1-70B); LoRA-P 1.83x (8B)",
-         "sloweave": "+39% (mixed) / +38% (long) goodput at 25 ms TPOT; 3.3x / 2.4x at 10 ms"}
+         "sloweave": "+39% (mixed) / +38% (long) goodput at 25 ms TPOT; 3.3x / 2.4x at 10 ms",
+         "feather": "2-10x FCFS with shared prefixes, no worse without"}
+#: GPU memory for the Feather part's prefix cache (data sheets: A100 80 GB, H100 80 GB, H200 141 GB)
+FEATHER_MEMORY = {"A100": 80e9, "H100": 80e9, "H200": 141e9, "H200-measured": 141e9}
 FIXED = ("default", "fixed:256", "fixed:512", "fixed:1024", "fixed:2048")
 ENGINE = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_chunk": 8192}
 
@@ -132,6 +139,29 @@ def sloweave_part(hardware: str, model: str, tp: int, requests: int, max_len: in
     return rows
 
 
+def feather_part(hardware: str, model: str, tp: int, requests: int, max_len: int) -> list[dict[str, Any]]:
+    """FCFS, LPM and Feather on the shared-prefix and the no-sharing workloads, offered far past
+    capacity (throughput), with a prefix cache of what the GPU's memory holds beside the weights."""
+    from preft.eval import prefix_scheduling
+    from preft.serving.scheduling import workloads
+
+    cost_model = roofline(hardware, model, tp)
+    free = 0.9 * FEATHER_MEMORY.get(hardware, 80e9) * tp - cost_model.model.weight_bytes
+    blocks = max(64, int(free / (cost_model.model.kv_bytes_per_token * prefix_scheduling.BLOCK_TOKENS)))
+    settings = {**ENGINE, "tpot_s": 1.0, "cache_blocks": min(blocks, 20000), "shared_context_cost": 1.0}
+    rows = []
+    for variant in ("shared", "no-sharing"):
+        work = workloads.prefix_workload(variant, requests, rate=1e4, groups=20, seed=5, max_model_len=max_len)
+        throughput = {order: output_throughput(prefix_scheduling.simulate(order, work, cost_model, settings))
+                      for order in ("fcfs", "lpm", "feather")}
+        rows.append({"workload": variant, "cache_blocks": settings["cache_blocks"], "tok_s": throughput,
+                     "feather_vs_fcfs": throughput["feather"] / throughput["fcfs"],
+                     "lpm_vs_fcfs": throughput["lpm"] / throughput["fcfs"]})
+        print(f"[plan] Feather, {variant}: {rows[-1]['feather_vs_fcfs']:.2f}x FCFS (LPM {rows[-1]['lpm_vs_fcfs']:.2f}x)",
+              flush=True)
+    return rows
+
+
 def plot(result: dict, directory: Path) -> list[Path]:
     import matplotlib
 
@@ -195,6 +225,12 @@ def markdown(result: dict) -> str:
         default = f"{r['sloweave_vs_default']:.2f}x" if r["sloweave_vs_default"] else "- (default: none)"
         lines.append(f"| {r['workload']} | {r['tpot_ms']:g} ms | {r['load']:g} | {r['capacity']:.1f} | "
                      f"{r['best_fixed']} | {ratio} | {default} |")
+    lines += ["", f"**Feather** (output tokens/s over FCFS, {result['settings']['requests']} requests offered at once, 20 "
+                  f"prefix groups of 40-70% of the context; a prefix cache of {result['feather'][0]['cache_blocks']} "
+                  f"blocks of 128 tokens, what the GPU holds beside the weights; paper: {PAPER['feather']}):\n",
+              "| workload | LPM vs FCFS | Feather vs FCFS |", "|---|---|---|"]
+    for r in result["feather"]:
+        lines.append(f"| {r['workload']} | {r['lpm_vs_fcfs']:.2f}x | {r['feather_vs_fcfs']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -220,6 +256,7 @@ def main(hardware: str = "H100", model: str = "llama-3.1-8b", tp: int = 1, adapt
                               "paper": PAPER}
     result["adapters"] = adapters_part(hardware, model, tp, counts, slots, requests, max_len)
     result["sloweave"] = sloweave_part(hardware, model, tp, requests, max_len)
+    result["feather"] = feather_part(hardware, model, tp, requests, max_len)
     directory = Path(out) / "plan"
     directory.mkdir(parents=True, exist_ok=True)
     figures = plot(result, directory)

@@ -22,6 +22,8 @@ def test_plan_simulates_adapters_and_sloweave_on_a_named_gpu(tmp_path):
     assert {(r["workload"], r["tpot_ms"]) for r in result["sloweave"]} == {(w, t) for w in ("mixed", "long")
                                                                           for t in (25.0, 10.0)}
     assert all(set(r["goodput"]) == {*eval_plan.FIXED, "sloweave"} for r in result["sloweave"])
+    assert {r["workload"] for r in result["feather"]} == {"shared", "no-sharing"}
+    assert all(r["feather_vs_fcfs"] > 0 for r in result["feather"])
     saved = json.loads((tmp_path / "plan" / "results.json").read_text())
     assert saved["title"] == "roofline: Qwen2.5-0.5B on H100" and "Simulated" in (tmp_path / "plan" / "plan.md").read_text()
     for figure in ("plan_adapters.png", "plan_sloweave.png"):
