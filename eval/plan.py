@@ -7,7 +7,7 @@ model, beside the papers' figures. Simulation, stated as such: no GPU runs here.
 The step cost is :class:`~preft.serving.scheduling.roofline.RooflineCostModel` (``--hardware``:
 A100, H100, H200, H200-measured; ``--model``: a preset or a local model directory's
 config.json), run through the same simulator and policy objects as the engine, with vLLM's GPU
-defaults (256 running requests, 8192 tokens a step). Two parts:
+defaults (256 running requests, 8192 tokens a step). Three parts:
 
 - **adapters**: output tokens/s of the base model, PreFT (LoRA-P, LoReFT-P) and all-token
   multi-adapter serving (LoRA, LoReFT) with N = ``--adapters`` adapters on ``--slots`` slots
@@ -25,7 +25,7 @@ defaults (256 running requests, 8192 tokens a step). Two parts:
   holds beside the weights; the roofline reads a prefix shared by a step's decodes once. The
   paper: 2-10x FCFS with sharing, no worse without.
 
-Writes ``OUT/plan/results.json``, ``plan.md`` and one figure per part.
+Writes ``OUT/plan/results.json``, ``plan.md`` and a figure each for the first two parts.
 """
 
 from __future__ import annotations
