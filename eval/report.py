@@ -150,7 +150,7 @@ def main(out: str = "runs/eval", write_docs: bool = False, docs_dir: str | None 
 
 def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
     """``name -> (markdown, its figures)`` for ``eval profile`` (one per model), ``eval goodput``,
-    ``eval prefix`` and ``eval pipeline``."""
+    ``eval prefix``, ``eval pipeline``, ``eval plan`` and ``eval capacity``."""
     found = {}
     for markdown in sorted((root / "profile").glob("profile_*.md")):
         found[markdown.stem] = (markdown, [f"{markdown.stem}.png"])
@@ -160,6 +160,11 @@ def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
         found["prefix"] = (root / "prefix" / "prefix.md", ["prefix_orders.png", "conversations.png"])
     if (root / "pipeline" / "pipeline.md").is_file():
         found["pipeline"] = (root / "pipeline" / "pipeline.md", ["pipeline_sim.png"])
+    if (root / "plan" / "plan.md").is_file():
+        found["plan"] = (root / "plan" / "plan.md", ["plan_adapters.png", "plan_sloweave.png", "plan_feather.png",
+                                                     "plan_wavepp.png"])
+    if (root / "capacity" / "capacity.md").is_file():
+        found["capacity"] = (root / "capacity" / "capacity.md", [])
     return {name: (markdown, [p for p in pictures if (markdown.parent / p).is_file()])
             for name, (markdown, pictures) in found.items()}
 

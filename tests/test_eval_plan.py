@@ -11,7 +11,7 @@ from preft.eval import plan as eval_plan
 
 def test_plan_simulates_adapters_and_sloweave_on_a_named_gpu(tmp_path):
     result = eval_plan.main(hardware="H100", model="qwen2.5-0.5b", adapters="1,32", slots=4, requests=80,
-                            max_len=1024, out=str(tmp_path))
+                            max_len=1024, pipeline_prompts="4096", out=str(tmp_path))
     rows = {(r["adapter"], r["adapters"]): r for r in result["adapters"]}
     assert set(rows) == {(k, n) for k in ("lora", "reft") for n in (1, 32)}
     for kind in ("lora", "reft"):
@@ -22,11 +22,23 @@ def test_plan_simulates_adapters_and_sloweave_on_a_named_gpu(tmp_path):
     assert {(r["workload"], r["tpot_ms"]) for r in result["sloweave"]} == {(w, t) for w in ("mixed", "long")
                                                                           for t in (25.0, 10.0)}
     assert all(set(r["goodput"]) == {*eval_plan.FIXED, "sloweave"} for r in result["sloweave"])
-    assert {r["workload"] for r in result["feather"]} == {"shared", "no-sharing"}
-    assert all(r["feather_vs_fcfs"] > 0 for r in result["feather"])
+    feather = {(r["workload"], r["cache"]): r for r in result["feather"]}
+    assert set(feather) == {(w, c) for w in ("shared", "no-sharing") for c in ("0.25x", "0.5x", "1x", "2x", "8x", "GPU")}
+    # a prefix cache smaller than the groups' prefixes is where ordering by prefix pays; the GPU's is not
+    assert feather[("shared", "0.25x")]["feather_vs_fcfs"] > 1.3 and feather[("shared", "0.25x")]["lpm_vs_fcfs"] > 1.3
+    assert feather[("shared", "0.25x")]["feather_vs_fcfs"] > feather[("shared", "GPU")]["feather_vs_fcfs"]
+    assert all(0.9 < r["feather_vs_fcfs"] < 1.1 for r in result["feather"] if r["workload"] == "no-sharing")
+    wave = result["wavepp"]
+    assert {(r["stages"], r["handoff_ms"], r["cached"]) for r in wave} == {
+        (s, h, c) for s in (4, 8) for h in (0.0, 1.0, 3.0) for c in (0, 2048)}
+    assert all(r["wavepp_vs_best"] > 0.5 and 0 <= r["best_fixed_bubble"] < 1 for r in wave)
+    # a costlier hand-off makes small chunks dear: the best fixed chunk grows with it
+    assert max(r["best_fixed"] for r in wave if r["handoff_ms"] == 3.0) >= max(r["best_fixed"] for r in wave
+                                                                               if r["handoff_ms"] == 0.0)
+    assert [r["model"] for r in result["published"]][:1] == ["llama-3.1-8b"]
     saved = json.loads((tmp_path / "plan" / "results.json").read_text())
     assert saved["title"] == "roofline: Qwen2.5-0.5B on H100" and "Simulated" in (tmp_path / "plan" / "plan.md").read_text()
-    for figure in ("plan_adapters.png", "plan_sloweave.png"):
+    for figure in ("plan_adapters.png", "plan_sloweave.png", "plan_feather.png", "plan_wavepp.png"):
         assert (tmp_path / "plan" / figure).stat().st_size > 1000
     with pytest.raises(ValueError, match="--hardware 'B200'"):
         eval_plan.main(hardware="B200")
@@ -48,7 +60,7 @@ sys.meta_path.insert(0, Hide())
 import preft
 from preft.eval import plan
 result = plan.main(hardware="H100", model="qwen2.5-0.5b", adapters="8", slots=4, requests=50, max_len=1024,
-                   out={str(tmp_path)!r})
+                   pipeline_prompts="2048", out={str(tmp_path)!r})
 assert "vllm" not in sys.modules and "trl" not in sys.modules
 print("ok", round(result["adapters"][0]["preft_vs_all_token"], 2))
 """

@@ -82,3 +82,20 @@ def test_its_fitted_form_follows_it_on_prefill_steps_for_wavepp():
     for shape in ((0, 1024, 8192), (0, 2048, 0), (0, 4096, 60000), (0, 8192, 0)):  # past the ridge
         assert fitted(*shape) == pytest.approx(LLAMA_8B_H100(*shape), rel=0.1)
     assert HARDWARE["H100"].calibrated(700e12, 3.0e12).flops_efficiency == 1.0
+
+
+def test_against_published_step_times():
+    """The goal: within 25% of published single-GPU step times. Every prediction is below the
+    measurement (a roofline is a lower bound plus an assumed overhead); at batch 1 each is within
+    25%. The L4 at 32 decodes is not: its step grew 2.0 ms from batch 1 to 32 where the roofline
+    adds 0.46 ms (KV and logits), a per-request cost the roofline has no term for."""
+    from preft.serving.scheduling.roofline import PUBLISHED_STEPS, check_published
+
+    rows = check_published()
+    assert len(rows) == len(PUBLISHED_STEPS) >= 4
+    assert all(r["error"] < 0 for r in rows)
+    single = [r for r in rows if r["decodes"] == 1]
+    assert {r["hardware"] for r in single} == {"A100-40GB", "H100", "L4"}
+    assert all(abs(r["error"]) <= 0.25 for r in single), single
+    batched = next(r for r in rows if r["decodes"] == 32)
+    assert -0.4 < batched["error"] < -0.25  # outside the goal, stated in README and RESULTS

@@ -58,7 +58,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["HARDWARE", "MODELS", "Hardware", "ModelShape", "RooflineCostModel"]
+__all__ = ["HARDWARE", "MODELS", "PUBLISHED_STEPS", "Hardware", "ModelShape", "PublishedStep", "RooflineCostModel",
+           "check_published"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,9 @@ class Hardware:
 #: data sheets: nvidia.com A100 (SXM 80 GB), H100 (SXM), H200 (SXM) product pages; dense, no sparsity
 HARDWARE = {
     "A100": Hardware("A100", 312e12, 2.039e12, link_bandwidth=300e9, source="NVIDIA A100 data sheet (SXM4 80GB)"),
+    "A100-40GB": Hardware("A100-40GB", 312e12, 1.555e12, link_bandwidth=300e9,
+                          source="NVIDIA A100 data sheet (SXM4 40GB)"),
+    "L4": Hardware("L4", 121e12, 300e9, link_bandwidth=32e9, source="NVIDIA L4 data sheet (dense bf16)"),
     "H100": Hardware("H100", 989e12, 3.35e12, source="NVIDIA H100 data sheet (SXM5)"),
     "H200": Hardware("H200", 989e12, 4.8e12, source="NVIDIA H200 data sheet (SXM)"),
     "H200-measured": Hardware("H200-measured", 790e12, 4.3e12, flops_efficiency=1.0, bandwidth_efficiency=1.0,
@@ -249,3 +253,42 @@ class RooflineCostModel:
     def to_json(self) -> dict:
         return {"model": asdict(self.model), "hardware": asdict(self.hardware), "tp": self.tp,
                 "lora_rank": self.lora_rank, "adapter": self.adapter}
+
+
+@dataclass(frozen=True)
+class PublishedStep:
+    """A step time someone measured and published: ``decodes`` requests decoding, each after
+    about ``context`` tokens, on vLLM with the model in bf16; ``measured_ms`` is the time per
+    output token (one decode step when nothing else is running)."""
+
+    model: str
+    hardware: str
+    decodes: int
+    context: int
+    measured_ms: float
+    source: str
+
+
+#: vLLM ``bench serve`` sweeps at fixed concurrency, closed loop, ``--ignore-eos``; the median
+#: time per output token (a decode step: at these concurrencies most steps hold no prefill)
+PUBLISHED_STEPS = (
+    PublishedStep("llama-3.1-8b", "A100-40GB", 1, 1088, 1e3 / 75, "johnmusgrave.com/p/vllm-throughput-latency-sweep-on "
+                  "(vLLM 0.23, 1024 in / 128 out, concurrency 1: about 75 tok/s)"),
+    PublishedStep("llama-3.1-8b", "H100", 1, 512, 6.48, "yobitelcomm.github.io/bench/recipes/concurrency-sweep "
+                  "(vLLM 0.21, fp16, H100-80GB-HBM3, chatbot-short, concurrency 1: TPOT p50 6.48 ms; "
+                  "the context is not given, 512 assumed: at batch 1 it moves the step by 0.02 ms)"),
+    PublishedStep("qwen2.5-0.5b", "L4", 1, 320, 5.1, "ai.wmx.dev/benchmarks (vLLM 0.23, 256 in / 128 out, "
+                  "concurrency 1: ITL p50 5.1 ms)"),
+    PublishedStep("qwen2.5-0.5b", "L4", 32, 320, 7.1, "ai.wmx.dev/benchmarks (vLLM 0.23, 256 in / 128 out, "
+                  "concurrency 32: ITL p50 7.1 ms)"),
+)
+
+
+def check_published(steps=PUBLISHED_STEPS) -> list[dict]:
+    """The roofline's prediction for each published step, and its error ``predicted / measured − 1``."""
+    rows = []
+    for step in steps:
+        model = RooflineCostModel(MODELS[step.model], HARDWARE[step.hardware])
+        predicted = 1e3 * model.step(step.decodes, 0, decode_context=step.decodes * step.context)
+        rows.append({**asdict(step), "predicted_ms": predicted, "error": predicted / step.measured_ms - 1})
+    return rows

@@ -50,8 +50,11 @@ class StageCost:
     def largest_chunk(self, context: int, limit: int, target_s: float) -> int:
         """Closed form for the step cost model's form: with no decodes, ``S·(t − handoff)`` is
         ``a·c² + b·c + k`` (``a = w5/10³``, ``b = w4 + w7·x/10⁶``, ``k = w0 + w3 + w6·x/10³``), so
-        the largest chunk is the root of a quadratic, checked against the model to one token."""
-        w = self.cost_model.weights
+        the largest chunk is the root of a quadratic, checked against the model to one token.
+        A cost model of another form (the roofline) is searched instead."""
+        w = getattr(self.cost_model, "weights", None)
+        if w is None:
+            return binary_search_chunk(self, context, limit, target_s)
         budget = (target_s - self.handoff_s) * self.stages - (w[0] + w[3] + w[6] * context / 1e3)
         a, b = w[5] / 1e3, w[4] + w[7] * context / 1e6
         if limit < 1 or a + b > budget:
@@ -74,6 +77,11 @@ def largest_chunk(stage_cost: Callable[[int, int], float], context: int, limit: 
     closed_form = getattr(stage_cost, "largest_chunk", None)
     if closed_form is not None:
         return closed_form(context, limit, target_s)
+    return binary_search_chunk(stage_cost, context, limit, target_s)
+
+
+def binary_search_chunk(stage_cost: Callable[[int, int], float], context: int, limit: int, target_s: float) -> int:
+    """:func:`largest_chunk` by binary search (``t`` is monotone in ``c``)."""
     if limit < 1 or stage_cost(context, 1) > target_s:
         return 0
     low, high = 1, limit
