@@ -26,6 +26,8 @@ EVALS = {
     "soak": ("preft.eval.soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
     "plan": ("preft.eval.plan", "the GPU regime in simulation: a roofline cost model of a named GPU and model "
                                      "through the simulator, PreFT vs all-token and SLOWeave, beside the papers"),
+    "calibrate": ("preft.eval.calibrate", "the roofline's hardware constants measured on this GPU (torch only) and "
+                                           "its error on a random-init Llama's decode and prefill steps"),
     "capacity": ("preft.eval.capacity", "a capacity plan in simulation: requests/s within an SLO and adapters per "
                                          "GPU for the base model, PreFT and all-token, and the chunk policy to use"),
     "report": ("preft.eval.report", "every eval result in one report, and the accuracy/throughput figure"),

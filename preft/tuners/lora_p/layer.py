@@ -92,6 +92,32 @@ class PreftLinear(Linear):
             )
         return mask
 
+    def _mixed_batch_forward(self, x: torch.Tensor, *args, adapter_names: list[str], **kwargs) -> torch.Tensor:
+        """PEFT's mixed-adapter batch (``adapter_names``, one adapter per row; ``"__base__"`` for
+        none) under the rule: row ``i``'s adapter adds ``B(m_i * (alpha/r) * A x_i)`` with ``m_i``
+        that row's prefill mask, so a decode step (no row in its prompt) runs the base model
+        alone and an all-token adapter (``prefill_only=False``) every token, as PEFT's LoRA does."""
+        for key in ("alora_offsets",):  # PEFT's variant keywords: not the base layer's
+            kwargs.pop(key, None)
+        result = self.base_layer(x, *args, **kwargs)
+        rows_of: dict[str, list[int]] = {}
+        for row, name in enumerate(adapter_names):
+            rows_of.setdefault(name, []).append(row)
+        for name, rows in rows_of.items():
+            if name == "__base__" or name not in self.lora_A:
+                continue  # PEFT's rule: a layer without this adapter leaves its rows as the base computes them
+            lora_A, lora_B = self.lora_A[name], self.lora_B[name]
+            index = torch.tensor(rows, device=x.device)
+            scale = self.scaling[name]
+            if self.prefill_only[name]:
+                weights = self.token_mask(name, x)[index]
+                if not bool(weights.any()):
+                    continue
+                scale = weights.unsqueeze(-1).to(lora_A.weight.dtype) * scale
+            delta = lora_B(lora_A(self.lora_dropout[name](x[index].to(lora_A.weight.dtype))) * scale)
+            result[index] += delta.to(result.dtype)
+        return result
+
     def delete_adapter(self, adapter_name: str) -> None:
         super().delete_adapter(adapter_name)
         self.adapter_start.pop(adapter_name, None)

@@ -16,6 +16,9 @@ class PreftLoraModel(LoraModel):
 
     Registered with PEFT for ``peft_type="PREFT_LORA"``, so ``get_peft_model(model,
     PreftLoraConfig(...))`` builds it. Saved weights use LoRA's names (``lora_A``/``lora_B``).
+    Mixed-adapter batches work as in PEFT (``model.generate(..., adapter_names=[...])``, one
+    adapter per row, ``"__base__"`` for none): each row's adapter on its own prompt tokens
+    (:meth:`PreftLinear._mixed_batch_forward`), PEFT's hooks checking the names.
 
     Example::
 
@@ -62,11 +65,3 @@ class PreftLoraModel(LoraModel):
         model = super()._unload_and_optionally_merge(merge, *args, **kwargs)
         self.prefill_tracker.remove()
         return model
-
-    def _enable_peft_forward_hooks(self, *args, **kwargs):
-        if kwargs.get("adapter_names") is not None:
-            raise ValueError(
-                "adapter_names= (a different adapter per row) is not supported for PreFT LoRA in "
-                "HF forward/generate; use `preft serve` for many adapters in one batch."
-            )
-        return super()._enable_peft_forward_hooks(*args, **kwargs)

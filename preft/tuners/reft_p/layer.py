@@ -54,7 +54,9 @@ class ReftLayer(nn.Module, BaseTunerLayer):
     """A decoder layer plus per-adapter interventions on its output hidden state.
 
     ``output = layer(h_in); h = output + mask(p) * delta(output)`` for each active adapter, with
-    ``mask(p) = adapter_start <= p < P`` read from the prefill context of this forward.
+    ``mask(p) = adapter_start <= p < P`` read from the prefill context of this forward; with
+    ``adapter_names`` (PEFT's mixed-adapter batch, injected by the tuner's hooks) each row by its
+    own adapter instead.
     """
 
     adapter_layer_names = ("reft_source", "reft_proj")
@@ -96,20 +98,42 @@ class ReftLayer(nn.Module, BaseTunerLayer):
     def get_base_layer_weight_example(self) -> torch.Tensor | None:
         return next(self.base_layer.parameters(), None)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, adapter_names: list[str] | None = None, **kwargs):
         context = kwargs.get(CONTEXT_KWARG)
         output = self.base_layer(*args, **kwargs)
         if self.disable_adapters:
             return output
         hidden = output[0] if isinstance(output, tuple) else output
         context = context or self.prefill_tracker.current
-        for adapter in self.active_adapters:
-            if adapter not in self.reft_source:
-                continue
-            hidden = self._intervene(adapter, hidden, context)
+        if adapter_names is None:
+            for adapter in self.active_adapters:
+                if adapter in self.reft_source:
+                    hidden = self._intervene(adapter, hidden, context)
+        else:
+            hidden = self._mixed_batch(hidden, adapter_names, context)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
-    def _intervene(self, adapter: str, hidden: torch.Tensor, context) -> torch.Tensor:
+    def _mixed_batch(self, hidden: torch.Tensor, adapter_names: list[str], context) -> torch.Tensor:
+        """PEFT's mixed-adapter batch: row ``i`` edited by ``adapter_names[i]`` alone (``"__base__"``:
+        no edit), under the rule for that row (the module docstring's ``mask``)."""
+        if len(adapter_names) != hidden.shape[0]:
+            raise ValueError(f"adapter_names has {len(adapter_names)} entries but the batch has {hidden.shape[0]} rows")
+        rows_of: dict[str, list[int]] = {}
+        for row, name in enumerate(adapter_names):
+            rows_of.setdefault(name, []).append(row)
+        edited = hidden
+        for name, rows in rows_of.items():
+            if name == "__base__" or name not in self.reft_source:
+                continue  # a layer without this adapter (ReFT-P on some layers) leaves its rows alone
+            index = torch.tensor(rows, device=hidden.device)
+            if edited is hidden:
+                edited = hidden.clone()
+            edited[index] = self._intervene(name, hidden[index], context, index)
+        return edited
+
+    def _intervene(self, adapter: str, hidden: torch.Tensor, context, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden`` edited by ``adapter`` on its active tokens; ``rows``: which rows of the
+        forward's batch ``hidden`` holds (all when None)."""
         intervention = INTERVENTION_CLASSES[self.intervention[adapter]]
         h = self.reft_dropout[adapter](hidden).to(self.reft_source[adapter].weight.dtype)
         if not self.prefill_only[adapter]:
@@ -119,6 +143,7 @@ class ReftLayer(nn.Module, BaseTunerLayer):
                 "ReFT-P layer called outside a forward of its PEFT model: no prefill context"
             )
         mask = context.active_mask(self.adapter_start[adapter])
+        mask = mask if rows is None else mask[rows]
         if tuple(mask.shape) != tuple(hidden.shape[:2]):
             raise RuntimeError(
                 f"prefill mask {tuple(mask.shape)} does not match hidden state {tuple(hidden.shape)}"

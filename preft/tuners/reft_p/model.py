@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
@@ -84,6 +86,40 @@ class PreftReftModel(BaseTuner):
                 for name, module in new_module.named_modules():
                     if self.prefix in name:
                         module.to(weight.device)
+
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args, **kwargs):
+        """PEFT's mixed-adapter batch (``adapter_names=``, one adapter per row, ``"__base__"`` for
+        none) for ``forward`` and ``generate``, checked as PEFT checks LoRA's: inference only,
+        every name an adapter of this model; repeated per beam under beam search. Each ReFT-P
+        layer gets the names as a keyword (:meth:`ReftLayer._mixed_batch`)."""
+        adapter_names = kwargs.get("adapter_names")
+        if adapter_names is None:
+            yield
+            return
+        if self.training:
+            raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+        if isinstance(adapter_names, str) or not all(isinstance(name, str) for name in adapter_names):
+            raise TypeError(f"adapter_names must be a list of adapter names (str), one per row; got {adapter_names!r}")
+        layers = [module for module in self.model.modules() if isinstance(module, ReftLayer)]
+        known = {name for layer in layers for name in layer.reft_source}
+        unknown = sorted({name for name in adapter_names if name != "__base__"} - known)
+        if unknown:
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)} "
+                             f"(this model has {', '.join(sorted(known))}; '__base__' for none)")
+        beams = kwargs.get("num_beams")
+        if isinstance(beams, int) and beams > 1:
+            adapter_names = [name for name in adapter_names for _ in range(beams)]
+
+        def inject(module, args, layer_kwargs):
+            layer_kwargs["adapter_names"] = adapter_names
+            return args, layer_kwargs
+        handles = [layer.register_forward_pre_hook(inject, with_kwargs=True) for layer in layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _check_merge_allowed(self):
         raise ValueError(
