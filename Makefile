@@ -16,7 +16,7 @@ else
   EXTRA := cpu
 endif
 
-.PHONY: install demo test test-families bench eval gpu-check base-model clean
+.PHONY: install demo test test-families bench eval gpu-check gpu-check-hf base-model clean
 
 install: $(STAMP)
 
@@ -69,6 +69,13 @@ eval: install
 # Exits non-zero with one line where there is no GPU.
 gpu-check: install
 	$(BIN)/preft eval gpu --out runs/gpu_check --write-docs
+
+# The GPU check for a machine with torch, Triton, transformers and PEFT but no vLLM or TRL (about 6
+# minutes on one GPU): nothing installed, the tree on PYTHONPATH, the machine's own python3. The
+# Triton kernels at Llama-3.1-8B shapes, HF mixed-adapter generation (PreFT vs PEFT's all-token
+# LoRA vs base, 0.5B and 1B, N = 1/64/512), the roofline's calibration. Exits 2 without a GPU.
+gpu-check-hf:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m preft eval gpu --engine hf --out runs/gpu_check --write-docs
 
 # Rebuild the embedded default base model (about 15 minutes on 2 CPU cores).
 base-model: install

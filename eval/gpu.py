@@ -279,11 +279,16 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
          adapters: str = "1,64,512", variants: str = "base,stock all-token LoRA,LoRA-P,ReFT-P",
          prompts: int = 512, prompt_tokens: int = 128, output_tokens: int = 128,
          rounds: int = 2, tolerance: float = TOLERANCE, budget_s: float = 450.0, tiny: bool = False,
-         allow_cpu: bool = False, write_docs: bool = False, out: str = "runs/gpu_check") -> dict[str, Any]:
+         allow_cpu: bool = False, write_docs: bool = False, out: str = "runs/gpu_check",
+         engine: str = "vllm") -> dict[str, Any]:
     from preft.eval.results import command_line, save_run, write_result
 
     arguments = dict(locals())
     values = {name: arguments[name] for name in inspect.signature(main).parameters}
+    if engine not in ("vllm", "hf"):
+        raise ValueError(f"--engine {engine!r}: vllm (the engine, make gpu-check) or hf (torch only, make gpu-check-hf)")
+    if engine == "hf":
+        return hf_engine(values)
     started = time.time()
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not allow_cpu:
@@ -351,14 +356,38 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
     return result
 
 
+#: the arguments the torch-only check (:mod:`preft.eval.gpu_hf`) takes from this command; the
+#: others are the vLLM engine's, refused with --engine hf rather than ignored
+HF_ARGUMENTS = ("models", "adapters", "rounds", "budget_s", "tiny", "allow_cpu", "write_docs", "out")
+
+
+def hf_engine(values: dict) -> dict[str, Any]:
+    """``--engine hf``: :func:`preft.eval.gpu_hf.main` (no vLLM, no TRL)."""
+    from preft.eval import gpu_hf
+    from preft.eval.results import command_line, default_of
+
+    vllm_only = [k for k, v in values.items() if k not in (*HF_ARGUMENTS, "parts", "engine")
+                 and v != default_of(main, k)]
+    if vllm_only:
+        raise ValueError(f"--{vllm_only[0].replace('_', '-')} is an argument of --engine vllm; --engine hf takes "
+                         f"--parts ({', '.join(gpu_hf.PARTS)}), " + ", ".join(f"--{k.replace('_', '-')}"
+                                                                            for k in HF_ARGUMENTS))
+    parts = values["parts"] if values["parts"] != default_of(main, "parts") else ",".join(gpu_hf.PARTS)
+    return gpu_hf.main(parts=parts, **{k: values[k] for k in HF_ARGUMENTS},
+                       command=command_line("gpu", main, values, always=("engine",)))
+
+
 def add_arguments(parser) -> None:
     from preft.eval.results import add_flags
 
     add_flags(parser, main, [
-        ("--parts", str, "comma-separated parts: parity, kernels, throughput"),
-        ("--models", str, "models of the parity part (0.5B, 1B)"),
+        ("--engine", str, "vllm: the engine's check (needs vLLM); hf: the torch-only check (kernels, hf-generate, "
+                          "calibrate; no vLLM, no TRL)"),
+        ("--parts", str, "comma-separated parts: parity, kernels, throughput (--engine hf: kernels, hf-generate, "
+                         "calibrate; all by default)"),
+        ("--models", str, "models of the parity part (0.5B, 1B); with --engine hf, of hf-generate"),
         ("--throughput-model", str, "model of the throughput part"),
-        ("--adapters", str, "comma-separated adapter counts of the throughput part"),
+        ("--adapters", str, "comma-separated adapter counts of the throughput part (--engine hf: of hf-generate)"),
         ("--variants", str, "comma-separated engines of the throughput part (bench throughput's names)"),
         ("--prompts", int, "requests per throughput run"),
         ("--prompt-tokens", int, "tokens per throughput prompt"),

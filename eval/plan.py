@@ -33,11 +33,14 @@ times (:func:`~preft.serving.scheduling.roofline.check_published`), then four pa
   as it would on a fitted model. Beside each row, the bubbles the best fixed chunk leaves: the
   most any chunking could recover at the same work. The paper: >= 1.2x at S = 4.
 
-Writes ``OUT/plan/results.json``, ``plan.md`` and a figure per part.
+Writes ``OUT/plan_SLUG/results.json``, ``plan.md`` and a figure per part, ``plan_SLUG_PART.png``
+(``SLUG``: model, GPU and TP, e.g. ``llama-3.1-8b_H100``), so plans of several models and GPUs
+sit side by side (``preft eval report`` puts each into docs/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from pathlib import Path
@@ -214,6 +217,12 @@ def wavepp_part(hardware: str, model: str, tp: int, prompts: list[int]) -> list[
     return rows
 
 
+def slug(cost_model) -> str:
+    """``MODEL_GPU[_tpN]``: the name of one plan's directory, section and figures."""
+    name = re.sub(r"[^a-z0-9.]+", "-", cost_model.model.name.lower()).strip("-")
+    return f"{name}_{cost_model.hardware.name}" + (f"_tp{cost_model.tp}" if cost_model.tp > 1 else "")
+
+
 def plot(result: dict, directory: Path) -> list[Path]:
     import matplotlib
 
@@ -234,7 +243,7 @@ def plot(result: dict, directory: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(directory / "plan_adapters.png")
+    paths.append(directory / f"plan_{result['slug']}_adapters.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -250,7 +259,7 @@ def plot(result: dict, directory: Path) -> list[Path]:
         ax.legend(fontsize=7)
     fig.suptitle(result["title"], fontsize=9)
     fig.tight_layout()
-    paths.append(directory / "plan_sloweave.png")
+    paths.append(directory / f"plan_{result['slug']}_sloweave.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -267,7 +276,7 @@ def plot(result: dict, directory: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(directory / "plan_feather.png")
+    paths.append(directory / f"plan_{result['slug']}_feather.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     stages = sorted({r["stages"] for r in result["wavepp"]})
@@ -286,7 +295,7 @@ def plot(result: dict, directory: Path) -> list[Path]:
         ax.legend(fontsize=7)
     fig.suptitle(result["title"], fontsize=9)
     fig.tight_layout()
-    paths.append(directory / "plan_wavepp.png")
+    paths.append(directory / f"plan_{result['slug']}_wavepp.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
@@ -298,14 +307,14 @@ def markdown(result: dict) -> str:
              f"(`serving/scheduling/roofline.py`; {result['hardware_source']}) through the engine's simulator and "
              f"policy objects, vLLM's GPU defaults (256 running requests, 8192 tokens a step).\n",
              *published_markdown(result["published"]),
-             "![adapters](plan_adapters.png)\n",
+             f"![adapters](plan_{result['slug']}_adapters.png)\n",
              f"**Adapters** (the `mixed` workload at twice the base model's capacity, {result['settings']['requests']} "
              f"requests; request i on adapter i % N; paper: {PAPER['adapters']}):\n",
              "| adapter | N | slots | PreFT vs base | all-token vs base | PreFT vs all-token |", "|---|---|---|---|---|---|"]
     for r in result["adapters"]:
         lines.append(f"| {r['adapter']} | {r['adapters']} | {r['slots']} | {r['preft_vs_base']:.2f}x | "
                      f"{r['all-token_tok_s'] / r['base_tok_s']:.2f}x | {r['preft_vs_all_token']:.2f}x |")
-    lines += ["", "![sloweave](plan_sloweave.png)\n",
+    lines += ["", f"![sloweave](plan_{result['slug']}_sloweave.png)\n",
               f"**SLOWeave** (goodput over the best of {', '.join(FIXED)}; paper: {PAPER['sloweave']}):\n",
               "| workload | TPOT | load | capacity (req/s) | best fixed | SLOWeave vs best | SLOWeave vs vLLM's default |",
               "|---|---|---|---|---|---|---|"]
@@ -314,7 +323,7 @@ def markdown(result: dict) -> str:
         default = f"{r['sloweave_vs_default']:.2f}x" if r["sloweave_vs_default"] else "- (default: none)"
         lines.append(f"| {r['workload']} | {r['tpot_ms']:g} ms | {r['load']:g} | {r['capacity']:.1f} | "
                      f"{r['best_fixed']} | {ratio} | {default} |")
-    lines += ["", "![feather](plan_feather.png)\n",
+    lines += ["", f"![feather](plan_{result['slug']}_feather.png)\n",
               f"**Feather** (output tokens/s over FCFS, {result['settings']['requests']} requests offered at once, 20 "
               f"prefix groups of 40-70% of the context, whose prefixes take {result['feather'][0]['working_set_blocks']} "
               f"blocks of 128 tokens (the working set); the cache in multiples of it, and what the GPU holds beside the "
@@ -323,7 +332,7 @@ def markdown(result: dict) -> str:
     for r in result["feather"]:
         lines.append(f"| {r['workload']} | {r['cache']} ({r['cache_blocks']}) | {r['lpm_vs_fcfs']:.2f}x | "
                      f"{r['feather_vs_fcfs']:.2f}x |")
-    lines += ["", "![wavepp](plan_wavepp.png)\n",
+    lines += ["", f"![wavepp](plan_{result['slug']}_wavepp.png)\n",
               f"**WavePP** (TTFT of one prompt through S pipeline stages, best of fixed chunks "
               f"{', '.join(map(str, PIPELINE['fixed']))} over WavePP; the bubbles the best fixed chunk leaves bound what "
               f"any chunking recovers; paper: {PAPER['wavepp']}):\n",
@@ -365,7 +374,7 @@ def main(hardware: str = "H100", model: str = "llama-3.1-8b", tp: int = 1, adapt
     cost_model = roofline(hardware, model, tp)  # a bad name fails before anything runs
     title = cost_model.source
     result: dict[str, Any] = {"command": command_line("plan", main, values, always=("hardware", "model")),
-                              "title": title, "hardware_source": cost_model.hardware.source or "measured",
+                              "title": title, "slug": slug(cost_model), "hardware_source": cost_model.hardware.source or "measured",
                               "roofline": cost_model.to_json(),
                               "settings": {"requests": requests, "slots": slots, "max_len": max_len, **ENGINE},
                               "paper": PAPER, "published": check_published()}
@@ -373,7 +382,7 @@ def main(hardware: str = "H100", model: str = "llama-3.1-8b", tp: int = 1, adapt
     result["sloweave"] = sloweave_part(hardware, model, tp, requests, max_len)
     result["feather"] = feather_part(hardware, model, tp, requests, max_len)
     result["wavepp"] = wavepp_part(hardware, model, tp, long_prompts)
-    directory = Path(out) / "plan"
+    directory = Path(out) / f"plan_{result['slug']}"
     directory.mkdir(parents=True, exist_ok=True)
     figures = plot(result, directory)
     result["wall_time_s"] = round(time.time() - started, 1)

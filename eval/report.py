@@ -160,9 +160,8 @@ def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
         found["prefix"] = (root / "prefix" / "prefix.md", ["prefix_orders.png", "conversations.png"])
     if (root / "pipeline" / "pipeline.md").is_file():
         found["pipeline"] = (root / "pipeline" / "pipeline.md", ["pipeline_sim.png"])
-    if (root / "plan" / "plan.md").is_file():
-        found["plan"] = (root / "plan" / "plan.md", ["plan_adapters.png", "plan_sloweave.png", "plan_feather.png",
-                                                     "plan_wavepp.png"])
+    for markdown in sorted(root.glob("plan_*/plan.md")):  # one per model and GPU
+        found[markdown.parent.name] = (markdown, sorted(p.name for p in markdown.parent.glob("plan_*.png")))
     if (root / "capacity" / "capacity.md").is_file():
         found["capacity"] = (root / "capacity" / "capacity.md", [])
     return {name: (markdown, [p for p in pictures if (markdown.parent / p).is_file()])

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from preft import data
-from preft.context import PrefillContext, PrefillTracker
-from preft.registration import register_with_peft
+from preft import source_tree
+
+source_tree.install()  # preft.eval, .serving, .kernels, .recipes from a source tree on PYTHONPATH
+
+from preft import data  # noqa: E402
+from preft.context import PrefillContext, PrefillTracker  # noqa: E402
+from preft.registration import register_with_peft  # noqa: E402
 from preft.tuners import PREFT_LORA, PREFT_REFT, PreftLoraConfig, PreftLoraModel, PreftReftConfig, PreftReftModel
 
 __version__ = "0.1.0"

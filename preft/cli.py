@@ -40,6 +40,8 @@ BENCHMARKS = {
     "throughput": ("preft.eval.bench.throughput",
                    "serving output tokens/s: base, stock multi-LoRA, tiled all-token LoRA, LoRA-P, ReFT-P"),
     "soak": ("preft.eval.bench.soak", "a live server under mixed load, runtime loads/unloads and bad requests"),
+    "hf-generate": ("preft.eval.bench.hf_generate", "HF generate with N users' adapters in one batch (adapter_names): "
+                                                    "PreFT vs PEFT's all-token LoRA vs base"),
 }
 
 RECIPES = {

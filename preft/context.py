@@ -66,6 +66,13 @@ class PrefillContext:
             self._masks[adapter_start] = is_active(self.positions, prompt_lengths, adapter_start)
         return self._masks[adapter_start]
 
+    def any_active(self, adapter_start: int = 0) -> bool:
+        """Whether any token of this forward is active (cached: a decode step asks once per layer)."""
+        key = ("any", adapter_start)
+        if key not in self._masks:
+            self._masks[key] = bool(self.active_mask(adapter_start).any())
+        return self._masks[key]
+
     def weights(self, adapter_start: int, dtype: torch.dtype) -> torch.Tensor:
         """``active_mask`` as ``[B, T, 1]`` of ``dtype`` (cached: every adapter layer multiplies by it)."""
         key = (adapter_start, dtype)
@@ -126,6 +133,7 @@ class PrefillTracker:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._forwards_kwargs = False
         self._warned_no_prompt = False
+        self._rows: tuple[Any, dict[str, torch.Tensor]] | None = None  # ((names, device), name -> its rows)
 
     # ---------------------------------------------------------------- hooks
     def install(self, model: nn.Module) -> None:
@@ -193,6 +201,17 @@ class PrefillTracker:
         if cache is not None and self.current is not None:
             self._cache_prompt_lengths[cache] = self.current.prompt_lengths
         return output
+
+    def rows_by_adapter(self, adapter_names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """``name -> the rows it is on`` of a mixed-adapter batch (PEFT's ``adapter_names``), built
+        once for a run of forwards with the same names (every layer of every step of a ``generate``)."""
+        key = (tuple(adapter_names), device)
+        if self._rows is None or self._rows[0] != key:
+            rows: dict[str, list[int]] = {}
+            for row, name in enumerate(adapter_names):
+                rows.setdefault(name, []).append(row)
+            self._rows = (key, {name: torch.tensor(r, device=device) for name, r in rows.items()})
+        return self._rows[1]
 
     # -------------------------------------------------------------- helpers
     @staticmethod

@@ -36,10 +36,12 @@ def test_plan_simulates_adapters_and_sloweave_on_a_named_gpu(tmp_path):
     assert max(r["best_fixed"] for r in wave if r["handoff_ms"] == 3.0) >= max(r["best_fixed"] for r in wave
                                                                                if r["handoff_ms"] == 0.0)
     assert [r["model"] for r in result["published"]][:1] == ["llama-3.1-8b"]
-    saved = json.loads((tmp_path / "plan" / "results.json").read_text())
-    assert saved["title"] == "roofline: Qwen2.5-0.5B on H100" and "Simulated" in (tmp_path / "plan" / "plan.md").read_text()
-    for figure in ("plan_adapters.png", "plan_sloweave.png", "plan_feather.png", "plan_wavepp.png"):
-        assert (tmp_path / "plan" / figure).stat().st_size > 1000
+    directory = tmp_path / "plan_qwen2.5-0.5b_H100"
+    saved = json.loads((directory / "results.json").read_text())
+    assert saved["title"] == "roofline: Qwen2.5-0.5B on H100" and "Simulated" in (directory / "plan.md").read_text()
+    for part in ("adapters", "sloweave", "feather", "wavepp"):
+        assert (directory / f"plan_qwen2.5-0.5b_H100_{part}.png").stat().st_size > 1000
+        assert f"](plan_qwen2.5-0.5b_H100_{part}.png)" in (directory / "plan.md").read_text()
     with pytest.raises(ValueError, match="--hardware 'B200'"):
         eval_plan.main(hardware="B200")
 

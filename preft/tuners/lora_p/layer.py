@@ -100,15 +100,23 @@ class PreftLinear(Linear):
         for key in ("alora_offsets",):  # PEFT's variant keywords: not the base layer's
             kwargs.pop(key, None)
         result = self.base_layer(x, *args, **kwargs)
-        rows_of: dict[str, list[int]] = {}
-        for row, name in enumerate(adapter_names):
-            rows_of.setdefault(name, []).append(row)
-        for name, rows in rows_of.items():
-            if name == "__base__" or name not in self.lora_A:
-                continue  # PEFT's rule: a layer without this adapter leaves its rows as the base computes them
+        if len(adapter_names) != x.shape[0]:
+            raise ValueError(f"adapter_names has {len(adapter_names)} entries but the batch has {x.shape[0]} rows")
+        rows_of = self.prefill_tracker.rows_by_adapter(adapter_names, x.device)
+        plan = self.__dict__.get("_mixed_plan")
+        if plan is None or plan[0] is not rows_of:  # once per list of names, not per decode step
+            used = [name for name in rows_of if name in self.lora_A]
+            plan = (rows_of, used, all(self.prefill_only[n] for n in used), {self.adapter_start[n] for n in used})
+            object.__setattr__(self, "_mixed_plan", plan)
+        _, used, prefill_only, starts = plan
+        if used:
+            self.token_mask(used[0], x)  # fails loudly outside a PEFT forward or on a shape mismatch
+        context = self.prefill_tracker.current
+        if prefill_only and not any(context.any_active(start) for start in starts):
+            return result  # no row in its prompt (a decode step): the base model for the whole batch
+        for name in used:
             lora_A, lora_B = self.lora_A[name], self.lora_B[name]
-            index = torch.tensor(rows, device=x.device)
-            scale = self.scaling[name]
+            index, scale = rows_of[name], self.scaling[name]
             if self.prefill_only[name]:
                 weights = self.token_mask(name, x)[index]
                 if not bool(weights.any()):
@@ -118,7 +126,12 @@ class PreftLinear(Linear):
             result[index] += delta.to(result.dtype)
         return result
 
+    def update_layer(self, adapter_name, *args, **kwargs):
+        self.__dict__.pop("_mixed_plan", None)  # the adapters changed: plan mixed batches again
+        return super().update_layer(adapter_name, *args, **kwargs)
+
     def delete_adapter(self, adapter_name: str) -> None:
+        self.__dict__.pop("_mixed_plan", None)
         super().delete_adapter(adapter_name)
         self.adapter_start.pop(adapter_name, None)
         self.prefill_only.pop(adapter_name, None)

@@ -81,6 +81,7 @@ class ReftLayer(nn.Module, BaseTunerLayer):
         self.update_layer(adapter_name, config)
 
     def update_layer(self, adapter_name: str, config) -> None:
+        self.__dict__.pop("_mixed_plan", None)  # the adapters changed: plan mixed batches again
         weight = self.get_base_layer_weight_example()
         self.rank[adapter_name] = config.rank
         self.intervention[adapter_name] = config.intervention
@@ -118,14 +119,19 @@ class ReftLayer(nn.Module, BaseTunerLayer):
         no edit), under the rule for that row (the module docstring's ``mask``)."""
         if len(adapter_names) != hidden.shape[0]:
             raise ValueError(f"adapter_names has {len(adapter_names)} entries but the batch has {hidden.shape[0]} rows")
-        rows_of: dict[str, list[int]] = {}
-        for row, name in enumerate(adapter_names):
-            rows_of.setdefault(name, []).append(row)
+        rows_of = self.prefill_tracker.rows_by_adapter(adapter_names, hidden.device)
+        plan = self.__dict__.get("_mixed_plan")
+        if plan is None or plan[0] is not rows_of:  # once per list of names, not per decode step
+            # "__base__", or an adapter this layer does not edit (ReFT-P on some layers): rows left alone
+            used = [name for name in rows_of if name in self.reft_source]
+            plan = (rows_of, used, all(self.prefill_only[n] for n in used), {self.adapter_start[n] for n in used})
+            object.__setattr__(self, "_mixed_plan", plan)
+        _, used, prefill_only, starts = plan
+        if context is not None and prefill_only and not any(context.any_active(start) for start in starts):
+            return hidden  # no row in its prompt (a decode step)
         edited = hidden
-        for name, rows in rows_of.items():
-            if name == "__base__" or name not in self.reft_source:
-                continue  # a layer without this adapter (ReFT-P on some layers) leaves its rows alone
-            index = torch.tensor(rows, device=hidden.device)
+        for name in used:
+            index = rows_of[name]
             if edited is hidden:
                 edited = hidden.clone()
             edited[index] = self._intervene(name, hidden[index], context, index)
@@ -152,6 +158,10 @@ class ReftLayer(nn.Module, BaseTunerLayer):
             return hidden
         delta = intervention.delta(self, adapter, h).to(hidden.dtype)
         return hidden + delta * mask.unsqueeze(-1).to(hidden.dtype)
+
+    def delete_adapter(self, adapter_name: str, *args, **kwargs) -> None:
+        self.__dict__.pop("_mixed_plan", None)
+        super().delete_adapter(adapter_name, *args, **kwargs)
 
     def merge(self, *args, **kwargs) -> None:
         raise ValueError(
