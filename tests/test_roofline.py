@@ -99,3 +99,16 @@ def test_against_published_step_times():
     assert all(abs(r["error"]) <= 0.25 for r in single), single
     batched = next(r for r in rows if r["decodes"] == 32)
     assert -0.4 < batched["error"] < -0.25  # outside the goal, stated in README and RESULTS
+
+
+def test_the_largest_prefill_chunk_is_the_search_answer():
+    """WavePP's closed form on the roofline equals a binary search of the step itself."""
+    from preft.serving.scheduling.wavepp import StageCost, binary_search_chunk
+
+    for model in (LLAMA_8B_H100, RooflineCostModel(MODELS["llama-3.1-70b"], HARDWARE["H100"], tp=8)):
+        for stages, handoff in ((1, 0.0), (4, 1e-3)):
+            stage = StageCost(model, stages, handoff)
+            for context in (0, 3000, 60000):
+                for target in (0.6e-3, 2e-3, 7e-3, 30e-3, 200e-3):
+                    expected = binary_search_chunk(stage, context, 8192, target)
+                    assert stage.largest_chunk(context, 8192, target) == expected, (context, target)

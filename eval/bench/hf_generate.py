@@ -58,25 +58,53 @@ def base_model(name: str):
     return random_llama(vocab, hidden, layers, heads, kv_heads, intermediate).eval()
 
 
-def with_adapters(model, variant: str, count: int, rank: int):
-    """``model`` with ``count`` adapters ``a0..`` of ``variant``, adapter i seeded with i."""
-    from peft import LoraConfig, get_peft_model
+def adapter_configs(rank: int) -> dict:
+    """variant -> a function making its adapter config (LoRA on q/v, LoReFT-P on every layer)."""
+    from peft import LoraConfig
 
     import preft
 
+    return {"PEFT LoRA (all-token)": lambda: LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                                                        init_lora_weights=False),
+            "LoRA-P": lambda: preft.PreftLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                                                    init_lora_weights=False),
+            "LoReFT-P": lambda: preft.PreftReftConfig(rank=rank, init_weights=False)}
+
+
+def with_adapters(model, variant: str, count: int, rank: int):
+    """``model`` with ``count`` adapters ``a0..`` of ``variant``, adapter i seeded with i."""
+    from peft import get_peft_model
+
     if variant == "base":
         return model
-    configs = {"PEFT LoRA (all-token)": lambda: LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                                           init_lora_weights=False),
-               "LoRA-P": lambda: preft.PreftLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                                       init_lora_weights=False),
-               "LoReFT-P": lambda: preft.PreftReftConfig(rank=rank, init_weights=False)}
+    configs = adapter_configs(rank)
     torch.manual_seed(0)
     peft_model = get_peft_model(model, configs[variant](), adapter_name="a0")
-    for index in range(1, count):
-        torch.manual_seed(index)
-        peft_model.add_adapter(f"a{index}", configs[variant]())
+    add_adapters(peft_model, [f"a{index}" for index in range(1, count)], configs[variant])
     return peft_model.eval()
+
+
+def add_adapters(peft_model, names: list[str], make_config) -> None:
+    """``peft_model.add_adapter(name, make_config())`` for every name (adapter ``names[i]`` seeded
+    with ``i + 1``), in time linear in their number. PEFT's ``add_adapter`` walks every module of
+    the model, adapters included, so adding N of them one by one is quadratic (hours for 512 on
+    a 1B model); here each new adapter goes straight into the tuner layers the first one created,
+    through the tuner's own ``_create_and_replace`` (which calls each layer's ``update_layer``
+    with the arguments of the installed PEFT version)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    tuner = peft_model.base_model
+    layers = [(key, module) for key, module in tuner.model.named_modules() if isinstance(module, BaseTunerLayer)]
+    for index, name in enumerate(names, start=1):
+        torch.manual_seed(index)
+        config = make_config()
+        if hasattr(config, "layers"):  # ReFT-P: its targets are decoder-layer names
+            config = tuner._prepare_adapter_config(config, tuner.model.config.to_dict())
+        peft_model.peft_config[name] = config
+        for key, module in layers:
+            parent_name, _, target_name = key.rpartition(".")
+            tuner._create_and_replace(config, name, module, target_name, tuner.model.get_submodule(parent_name),
+                                      current_key=key)
 
 
 def make_batch(count: int, prompt_tokens: int, vocab: int, device) -> dict[str, torch.Tensor]:

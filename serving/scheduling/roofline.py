@@ -55,6 +55,7 @@ True
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -231,6 +232,33 @@ class RooflineCostModel:
         """``T(step)`` in seconds with every term given."""
         t = self.terms(n, c, decode_context, prefill_context, shared_context, adapters, adapter_tokens)
         return t["overhead"] + max(t["compute"], t["memory"]) + t["communication"]
+
+    def largest_prefill_chunk(self, context: int, limit: int, budget_s: float) -> int:
+        """The largest ``c <= limit`` whose prefill-only step after ``context`` cached tokens takes
+        at most ``budget_s`` (0 if none): each side of the ``max`` is a quadratic in ``c``
+        (compute: ``2 L h d_h c² + (2 P_linear + 4 L h d_h x) c + 2 V d`` FLOPs; memory:
+        ``W + B_kv (x + c)`` bytes; the all-reduces linear in ``c``), so ``c`` is the smaller
+        root, checked against :meth:`step` to one token. WavePP sizes its chunks with it
+        (:class:`~.wavepp.StageCost`) instead of a search."""
+        m, hw, tp = self.model, self.hardware, self.tp
+        if limit < 1 or self.step(0, 1, prefill_context=context) > budget_s:
+            return 0
+        flops_per_s = tp * hw.peak_flops * hw.flops_efficiency
+        bytes_per_s = tp * hw.bandwidth * hw.bandwidth_efficiency
+        link = 0.0 if tp == 1 else 2 * m.layers * 2 * (tp - 1) / tp * m.hidden * m.bytes_per_value / hw.link_bandwidth
+        left = budget_s - hw.step_overhead_s - (2 * m.layers * hw.link_latency_s if tp > 1 else 0.0)
+        attention = 4 * m.layers * m.heads * m.dh
+        sides = ((attention / 2 / flops_per_s, (2 * m.linear_params + attention * context) / flops_per_s + link,
+                  2 * m.vocab * m.hidden / flops_per_s - left),
+                 (0.0, m.kv_bytes_per_token / bytes_per_s + link,
+                  (m.weight_bytes + m.kv_bytes_per_token * context) / bytes_per_s - left))
+        roots = [(-b + math.sqrt(max(0.0, b * b - 4 * a * k))) / (2 * a) if a else -k / b for a, b, k in sides]
+        chunk = max(1, min(limit, int(min(roots))))
+        while chunk < limit and self.step(0, chunk + 1, prefill_context=context) <= budget_s:
+            chunk += 1
+        while chunk > 1 and self.step(0, chunk, prefill_context=context) > budget_s:
+            chunk -= 1
+        return chunk
 
     def __call__(self, num_decodes: int, prefill_tokens: int, context_tokens: int = 0) -> float:
         if num_decodes:

@@ -51,7 +51,11 @@ class StageCost:
         """Closed form for the step cost model's form: with no decodes, ``S·(t − handoff)`` is
         ``a·c² + b·c + k`` (``a = w5/10³``, ``b = w4 + w7·x/10⁶``, ``k = w0 + w3 + w6·x/10³``), so
         the largest chunk is the root of a quadratic, checked against the model to one token.
-        A cost model of another form (the roofline) is searched instead."""
+        A cost model with its own closed form (the roofline's ``largest_prefill_chunk``) is asked
+        for it; one of another form is searched."""
+        own = getattr(self.cost_model, "largest_prefill_chunk", None)
+        if own is not None:
+            return own(context, limit, (target_s - self.handoff_s) * self.stages)
         w = getattr(self.cost_model, "weights", None)
         if w is None:
             return binary_search_chunk(self, context, limit, target_s)
