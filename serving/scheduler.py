@@ -291,7 +291,8 @@ class PreftScheduler(Scheduler):
             pending += request.num_tokens - request.num_computed_tokens
         return StepView(now=now, decode_last_token_times=tuple(last_times),
                         decode_first_token_times=tuple(first_times), decode_output_tokens=tuple(outputs),
-                        context_tokens=context + (first_pending or 0), pending_prefill_tokens=pending)
+                        context_tokens=context + (first_pending or 0), prefill_context_tokens=first_pending or 0,
+                        pending_prefill_tokens=pending)
 
     def _record_step(self, scheduler_output, model_runner_output, now: float) -> None:
         """Each request that got a token this step: its last-token time. With ``PREFT_STEP_TRACE``,

@@ -42,6 +42,8 @@ class StepView:
     # times (empty: unknown; SLOWeave then keeps every next token within TPOT of the last)
     decode_first_token_times: tuple[float, ...] = ()
     decode_output_tokens: tuple[int, ...] = ()
+    # of context_tokens, the KV cached for the first pending prefill (its chunk attends to all of it)
+    prefill_context_tokens: int = 0
 
     @property
     def num_decodes(self) -> int:

@@ -260,6 +260,13 @@ class RooflineCostModel:
             chunk -= 1
         return chunk
 
+    def step_with_prefill_context(self, num_decodes: int, prefill_tokens: int, context_tokens: int,
+                                  prefill_context: int) -> float:
+        """``T`` of a step whose ``context_tokens`` include ``prefill_context`` cached for its
+        chunk (SLOWeave's view): the chunk attends to those, the decodes to the rest."""
+        return self.step(num_decodes, prefill_tokens, decode_context=max(0, context_tokens - prefill_context),
+                         prefill_context=prefill_context)
+
     def __call__(self, num_decodes: int, prefill_tokens: int, context_tokens: int = 0) -> float:
         if num_decodes:
             return self.step(num_decodes, prefill_tokens, decode_context=context_tokens)

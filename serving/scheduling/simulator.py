@@ -204,7 +204,7 @@ class Simulator:
                             decode_first_token_times=tuple(r.first_token_s for r in decodes),
                             decode_output_tokens=tuple(r.generated for r in decodes),
                             context_tokens=sum(r.computed for r in decodes) + first_context,
-                            pending_prefill_tokens=pending_tokens)
+                            prefill_context_tokens=first_context, pending_prefill_tokens=pending_tokens)
             prefill_budget = self.policy.prefill_budget(view)
             if hasattr(admission, "new_step"):  # the adapter-group order ranks the waiting adapters
                 admission.new_step()

@@ -19,8 +19,11 @@ context tokens, the step's prefill chunk is
 
 found by binary search over ``c`` (``T`` is monotone in ``c``, :mod:`.cost_model`), so
 ``O(log C_max)`` model calls a step. No decodes: the whole remaining prefill, up to ``C_max``.
-No chunk fits (even ``U(n, 1, x)`` misses): ``0``, a decode-only step. ``U`` is the cost
-model's upper bound: for an :class:`.online_cost_model.OnlineCostModel` (what ``preft serve``
+No chunk fits (even ``U(n, 1, x)`` misses): ``0``, a decode-only step. A cost model that
+takes the chunk's own cached context ``x_p`` apart (the roofline's ``step_with_prefill_context``:
+the chunk attends to all ``x_p`` tokens, ``c · x_p`` in its attention, where a decode reads each
+context token once) is given it; on long prompts the 3-term ``T(n, c, x)`` of the roofline
+under-predicts such a step by the chunk's attention. ``U`` is the cost model's upper bound: for an :class:`.online_cost_model.OnlineCostModel` (what ``preft serve``
 runs) ``T · (1 + q)``, with ``q`` the model's recent relative error on steps of this shape;
 for a plain :class:`.cost_model.StepCostModel`, ``T``. With an accurate monotone ``T`` the
 chunk meets every active deadline and is the largest that does; with a one-sided error no
@@ -45,6 +48,8 @@ class SLOWeave:
                              f"(got {tpot_s}, {max_chunk}, {margin_s})")
         self.cost_model, self.tpot_s, self.max_chunk, self.margin_s = cost_model, tpot_s, max_chunk, margin_s
         self.predict = getattr(cost_model, "upper", cost_model)  # U: the model's bound, or T itself
+        # a model that charges the chunk's attention over its own cached context apart (the roofline)
+        self.split = getattr(cost_model, "step_with_prefill_context", None)
         self.name = "sloweave"
         self.model_calls = 0  # over the policy's life: the O(log C_max) claim is checked by the tests
 
@@ -63,10 +68,12 @@ class SLOWeave:
         if view.num_decodes == 0:
             return upper
         n, x, budget = view.num_decodes, view.context_tokens, self.budget_s(view)
+        x_p = view.prefill_context_tokens
 
         def fits(chunk: int) -> bool:
             self.model_calls += 1
-            return self.predict(n, chunk, x) + self.margin_s <= budget
+            predicted = self.split(n, chunk, x, x_p) if self.split else self.predict(n, chunk, x)
+            return predicted + self.margin_s <= budget
 
         if not fits(1):
             return 0
