@@ -188,8 +188,9 @@ def main(hardware: str = "H100", model: str = "llama-3.1-8b", tp: int = 1, adapt
               f"Serve PreFT with `preft serve --scheduler {preft['policy']}` ({preft['capacity']:.1f} req/s within the "
               f"SLO); all-token serving meets it at no rate tried.")
     if rate_per_adapter and preft["adapters_per_gpu"]:
+        gpus = f"{preft['gpus']} GPU" + ("s" if preft["gpus"] != 1 else "")
         advice += (f" At {rate_per_adapter:g} req/s per adapter one GPU holds {preft['adapters_per_gpu']} PreFT "
-                   f"adapters ({preft['gpus']} GPUs for {adapters}) against {all_token['adapters_per_gpu']} all-token.")
+                   f"adapters ({gpus} for {adapters}) against {all_token['adapters_per_gpu']} all-token.")
     result = {"command": command_line("capacity", main, values, always=("hardware", "model", "adapters", "workload")),
               "title": cost_model.source, "roofline": cost_model.to_json(),
               "settings": {"workload": workload, "adapters": adapters, "adapter": adapter, "slots": slots,
