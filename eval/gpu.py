@@ -281,7 +281,7 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
          rounds: int = 2, tolerance: float = TOLERANCE, budget_s: float = 450.0, tiny: bool = False,
          allow_cpu: bool = False, write_docs: bool = False, out: str = "runs/gpu_check",
          engine: str = "vllm") -> dict[str, Any]:
-    from preft.eval.results import command_line, save_run, write_result
+    from preft.eval.results import command_line
 
     arguments = dict(locals())
     values = {name: arguments[name] for name in inspect.signature(main).parameters}
@@ -325,33 +325,48 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
     result: dict[str, Any] = {"command": command_line("gpu", main, values), "device": device_name(),
                               "vllm": vllm_version, "torch": torch.__version__, "tolerance": tolerance,
                               "parts": chosen, "skipped": {}}
-    for part in chosen:
+    def run_part(part: str) -> dict:
+        if part == "parity":
+            runs = [parity(name, root, dtype, device, tolerance, 12, {}) for name in model_list]
+            return {"runs": runs, "passed": all(r["passed"] for r in runs)}
+        if part == "kernels":
+            return kernels(device)
+        return throughput("tiny" if tiny else throughput_model, root, counts, prompts, prompt_tokens, output_tokens,
+                          rounds, variant_list, engine_extra)
+
+    run_parts(result, chosen, run_part, budget_s, started, "gpu")
+    return finish(result, chosen, root, "gpu", report(result), "gpu_check" if write_docs else None)
+
+
+def run_parts(result: dict, parts: list[str], run_part, budget_s: float, started: float, label: str) -> None:
+    """``result[part] = run_part(part)`` for each part in turn, a failure recorded (the other parts
+    still run), a part not started once ``budget_s`` is spent recorded as skipped; then the wall
+    time and whether every part that ran passed."""
+    for part in parts:
         elapsed = time.time() - started
         if elapsed > budget_s:
             result["skipped"][part] = f"the time budget of {budget_s:.0f} s was spent ({elapsed:.0f} s)"
             continue
-        print(f"[gpu] {part} ({elapsed:.0f} s so far)", flush=True)
+        print(f"[{label}] {part} ({elapsed:.0f} s so far)", flush=True)
         try:
-            if part == "parity":
-                runs = [parity(name, root, dtype, device, tolerance, 12, {}) for name in model_list]
-                result[part] = {"runs": runs, "passed": all(r["passed"] for r in runs)}
-            elif part == "kernels":
-                result[part] = kernels(device)
-            else:
-                name = "tiny" if tiny else throughput_model
-                result[part] = throughput(name, root, counts, prompts, prompt_tokens, output_tokens, rounds,
-                                          variant_list, engine_extra)
+            result[part] = run_part(part)
         except Exception as err:  # noqa: BLE001 - one part's failure is recorded; the others still run
             result[part] = {"passed": False, "error": f"{type(err).__name__}: {err}",
                             "traceback": traceback.format_exc()[-4000:]}
     result["wall_time_s"] = round(time.time() - started, 1)
-    result["passed"] = all(result[p]["passed"] for p in chosen if p in result)
-    markdown = report(result)
-    save_run(root, "gpu", result, markdown + "\n")
-    if write_docs:
-        write_result("gpu_check", result, markdown)
+    result["passed"] = all(result[p]["passed"] for p in parts if p in result)
+
+
+def finish(result: dict, parts: list[str], root: Path, name: str, markdown: str, docs_name: str | None) -> dict:
+    """Write ``root/results.json`` and ``root/NAME.md`` (and the docs section ``docs_name``), then
+    fail with one line naming the failed parts."""
+    from preft.eval.results import save_run, write_result
+
+    save_run(root, name, result, markdown + "\n")
+    if docs_name:
+        write_result(docs_name, result, markdown)
     if not result["passed"]:
-        failed = [p for p in chosen if p in result and not result[p]["passed"]]
+        failed = [p for p in parts if p in result and not result[p]["passed"]]
         raise GpuCheckError(f"{', '.join(failed)} failed (details in {root / 'results.json'})")
     return result
 

@@ -23,7 +23,6 @@ module).
 from __future__ import annotations
 
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +138,7 @@ def main(parts: str = ",".join(PARTS), models: str = "0.5B,1B", adapters: str = 
     import triton
 
     from preft.eval.calibrate import calibrate
-    from preft.eval.gpu import GpuCheckError, device_name
-    from preft.eval.results import save_run, write_result
+    from preft.eval.gpu import GpuCheckError, device_name, finish, run_parts
 
     started = time.time()
     on_gpu = torch.cuda.is_available()
@@ -156,33 +154,15 @@ def main(parts: str = ",".join(PARTS), models: str = "0.5B,1B", adapters: str = 
     model_list = ["default"] if tiny else [m.strip() for m in models.split(",") if m.strip()]
     result: dict[str, Any] = {"command": command, "device": device_name(), "torch": torch.__version__,
                               "triton": triton.__version__, "parts": chosen, "skipped": {}}
-    for part in chosen:
-        elapsed = time.time() - started
-        if elapsed > budget_s:
-            result["skipped"][part] = f"the time budget of {budget_s:.0f} s was spent ({elapsed:.0f} s)"
-            continue
-        print(f"[gpu hf] {part} ({elapsed:.0f} s so far)", flush=True)
-        try:
-            if part == "kernels":
-                result[part] = kernels(device, dtype, SHAPES["tiny" if tiny else "8b"])
-            elif part == "hf-generate":
-                result[part] = hf_generate(model_list, "1,4" if tiny else adapters, 8 if tiny else prompt_tokens,
-                                           4 if tiny else output_tokens, 1 if tiny else rounds)
-            else:
-                sizes = {"matmul_n": 256, "copy_bytes": 1 << 24, "context": 32, "prefill": 32, "repeats": 3} \
-                    if tiny else {}
-                result[part] = calibrate("tiny" if tiny else "1B", **sizes)
-        except Exception as err:  # noqa: BLE001 - one part's failure is recorded; the others still run
-            result[part] = {"passed": False, "error": f"{type(err).__name__}: {err}",
-                            "traceback": traceback.format_exc()[-4000:]}
-    result["wall_time_s"] = round(time.time() - started, 1)
-    result["passed"] = all(result[p]["passed"] for p in chosen if p in result)
-    markdown = report(result)
-    root = Path(out) / "gpu_hf"
-    save_run(root, "gpu_hf", result, markdown + "\n")
-    if write_docs:
-        write_result("gpu_check_hf", result, markdown)
-    if not result["passed"]:
-        failed = [p for p in chosen if p in result and not result[p]["passed"]]
-        raise GpuCheckError(f"{', '.join(failed)} failed (details in {root / 'results.json'})")
-    return result
+    def run_part(part: str) -> dict:
+        if part == "kernels":
+            return kernels(device, dtype, SHAPES["tiny" if tiny else "8b"])
+        if part == "hf-generate":
+            return hf_generate(model_list, "1,4" if tiny else adapters, 8 if tiny else prompt_tokens,
+                               4 if tiny else output_tokens, 1 if tiny else rounds)
+        sizes = {"matmul_n": 256, "copy_bytes": 1 << 24, "context": 32, "prefill": 32, "repeats": 3} if tiny else {}
+        return calibrate("tiny" if tiny else "1B", **sizes)
+
+    run_parts(result, chosen, run_part, budget_s, started, "gpu hf")
+    return finish(result, chosen, Path(out) / "gpu_hf", "gpu_hf", report(result),
+                  "gpu_check_hf" if write_docs else None)

@@ -213,6 +213,23 @@ class PrefillTracker:
             self._rows = (key, {name: torch.tensor(r, device=device) for name, r in rows.items()})
         return self._rows[1]
 
+    def mixed_batch_plan(self, layer: nn.Module, adapter_names: list[str], batch_size: int, device: torch.device,
+                         adapters) -> tuple[dict[str, torch.Tensor], list[str], bool, set[int]]:
+        """For one PreFT layer (``adapter_start`` and ``prefill_only`` per adapter; ``adapters``: the
+        names it holds) and a mixed-adapter batch: ``(rows by adapter, the adapters of the batch this
+        layer has, whether all are prefill-only, their adapter starts)``. Kept on the layer until
+        the names change (the layer drops it when its adapters change), so a decode step costs a
+        lookup. ``"__base__"`` and adapters the layer lacks leave their rows to the base output."""
+        if len(adapter_names) != batch_size:
+            raise ValueError(f"adapter_names has {len(adapter_names)} entries but the batch has {batch_size} rows")
+        rows_of = self.rows_by_adapter(adapter_names, device)
+        plan = layer.__dict__.get("_mixed_plan")
+        if plan is None or plan[0] is not rows_of:
+            used = [name for name in rows_of if name in adapters]
+            plan = (rows_of, used, all(layer.prefill_only[n] for n in used), {layer.adapter_start[n] for n in used})
+            object.__setattr__(layer, "_mixed_plan", plan)
+        return plan
+
     # -------------------------------------------------------------- helpers
     @staticmethod
     def _positions(kwargs, batch_size, length, past_length, device):

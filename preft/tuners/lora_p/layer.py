@@ -100,15 +100,8 @@ class PreftLinear(Linear):
         for key in ("alora_offsets",):  # PEFT's variant keywords: not the base layer's
             kwargs.pop(key, None)
         result = self.base_layer(x, *args, **kwargs)
-        if len(adapter_names) != x.shape[0]:
-            raise ValueError(f"adapter_names has {len(adapter_names)} entries but the batch has {x.shape[0]} rows")
-        rows_of = self.prefill_tracker.rows_by_adapter(adapter_names, x.device)
-        plan = self.__dict__.get("_mixed_plan")
-        if plan is None or plan[0] is not rows_of:  # once per list of names, not per decode step
-            used = [name for name in rows_of if name in self.lora_A]
-            plan = (rows_of, used, all(self.prefill_only[n] for n in used), {self.adapter_start[n] for n in used})
-            object.__setattr__(self, "_mixed_plan", plan)
-        _, used, prefill_only, starts = plan
+        rows_of, used, prefill_only, starts = self.prefill_tracker.mixed_batch_plan(
+            self, adapter_names, x.shape[0], x.device, self.lora_A)
         if used:
             self.token_mask(used[0], x)  # fails loudly outside a PEFT forward or on a shape mismatch
         context = self.prefill_tracker.current

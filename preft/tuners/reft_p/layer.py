@@ -117,16 +117,8 @@ class ReftLayer(nn.Module, BaseTunerLayer):
     def _mixed_batch(self, hidden: torch.Tensor, adapter_names: list[str], context) -> torch.Tensor:
         """PEFT's mixed-adapter batch: row ``i`` edited by ``adapter_names[i]`` alone (``"__base__"``:
         no edit), under the rule for that row (the module docstring's ``mask``)."""
-        if len(adapter_names) != hidden.shape[0]:
-            raise ValueError(f"adapter_names has {len(adapter_names)} entries but the batch has {hidden.shape[0]} rows")
-        rows_of = self.prefill_tracker.rows_by_adapter(adapter_names, hidden.device)
-        plan = self.__dict__.get("_mixed_plan")
-        if plan is None or plan[0] is not rows_of:  # once per list of names, not per decode step
-            # "__base__", or an adapter this layer does not edit (ReFT-P on some layers): rows left alone
-            used = [name for name in rows_of if name in self.reft_source]
-            plan = (rows_of, used, all(self.prefill_only[n] for n in used), {self.adapter_start[n] for n in used})
-            object.__setattr__(self, "_mixed_plan", plan)
-        _, used, prefill_only, starts = plan
+        rows_of, used, prefill_only, starts = self.prefill_tracker.mixed_batch_plan(
+            self, adapter_names, hidden.shape[0], hidden.device, self.reft_source)
         if context is not None and prefill_only and not any(context.any_active(start) for start in starts):
             return hidden  # no row in its prompt (a decode step)
         edited = hidden
