@@ -8,11 +8,11 @@ recorded even when another fails:
    adapter slots, hidden 4096, q/k/v outputs 4096/1024/1024, rank 16, bfloat16): the largest
    error relative to the reference's largest value (within :data:`KERNEL_TOLERANCE`), and each
    timed with ``triton.testing.do_bench``;
-2. ``hf-generate``: :mod:`preft.eval.bench.hf_generate` in bfloat16 on the random-init 0.5B and
+2. ``calibrate``: :mod:`preft.eval.calibrate` (matmul FLOP/s, copy bandwidth, a decode and a
+   prefill step of the 1B Llama): the roofline's hardware refitted and its error on those steps;
+3. ``hf-generate``: :mod:`preft.eval.bench.hf_generate` in bfloat16 on the random-init 0.5B and
    1B Llamas at N = 1 / 64 / 512 rows of N different adapters: base vs PEFT's all-token LoRA
-   mixed batch vs LoRA-P vs LoReFT-P;
-3. ``calibrate``: :mod:`preft.eval.calibrate` (matmul FLOP/s, copy bandwidth, a decode and a
-   prefill step of the 1B Llama): the roofline's hardware refitted and its error on those steps.
+   mixed batch vs LoRA-P vs LoReFT-P.
 
 Writes ``OUT/gpu_hf/results.json`` and ``gpu_hf.md``; ``--write-docs`` also puts the section, named
 after the GPU, into docs/RESULTS.md. Exits 2 with one line where there is no GPU, unless
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-PARTS = ("kernels", "hf-generate", "calibrate")
+PARTS = ("kernels", "calibrate", "hf-generate")  # the longest last: the budget skips it, not the others
 #: largest |kernel − reference| over the reference's largest |value|
 KERNEL_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2 ** -6}
 SHAPES = {"8b": {"rows": 2048, "segments": 32, "slots": 64, "hidden": 4096, "outputs": (4096, 1024, 1024), "rank": 16},

@@ -162,17 +162,33 @@ def build_parser() -> argparse.ArgumentParser:
     benchmarks = bench.add_subparsers(dest="which", metavar="BENCHMARK", required=True)
     for name, (module, what) in BENCHMARKS.items():
         benchmark = benchmarks.add_parser(name, help=what, description=what)
-        importlib.import_module(module).add_arguments(benchmark)
-        benchmark.set_defaults(run=_bench)
+        if _add_arguments(benchmark, module, f"preft bench {name}"):
+            benchmark.set_defaults(run=_bench)
 
     evaluate = sub.add_parser("eval", help="what PreFT costs and buys on your model and data: loss, rl, serve, "
                                            "report (results in --out, default runs/eval)")
     evals = evaluate.add_subparsers(dest="which", metavar="EVAL", required=True)
     for name, (module, what) in EVALS.items():
         command = evals.add_parser(name, help=what, description=what)
-        importlib.import_module(module).add_arguments(command)
-        command.set_defaults(run=_eval)
+        if _add_arguments(command, module, f"preft eval {name}"):
+            command.set_defaults(run=_eval)
     return parser
+
+
+def _add_arguments(parser, module: str, command: str) -> bool:
+    """``module.add_arguments(parser)``; where the module cannot be imported (a library it needs is
+    absent: a torch-only GPU machine has no vLLM, TRL or openai) the command stays listed and
+    running it says which library is missing, so the other commands still work."""
+    try:
+        importlib.import_module(module).add_arguments(parser)
+        return True
+    except ImportError as err:
+        reason = f"{command} cannot run here: {err} (install the project with `make install`)"
+
+        def unavailable(args, reason=reason):
+            raise ValueError(reason)
+        parser.set_defaults(run=unavailable, unavailable=reason)  # its flags are unknown: main lets them pass
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         from preft.eval.lm_eval_preft import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "unavailable", None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as err:
