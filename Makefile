@@ -72,8 +72,8 @@ gpu-check: install
 
 # The GPU check for a machine with torch, Triton, transformers and PEFT but no vLLM or TRL (about 6
 # minutes on one GPU): nothing installed, the tree on PYTHONPATH, the machine's own python3. The
-# Triton kernels at Llama-3.1-8B shapes, HF mixed-adapter generation (PreFT vs PEFT's all-token
-# LoRA vs base, 0.5B and 1B, N = 1/64/512), the roofline's calibration. Exits 2 without a GPU.
+# Triton kernels at Llama-3.1-8B shapes, the roofline's calibration, HF mixed-adapter generation
+# (PreFT vs PEFT's all-token LoRA vs base, 0.5B and 1B, N = 1/64/512). Exits 2 without a GPU.
 gpu-check-hf:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m preft eval gpu --engine hf --out runs/gpu_check --write-docs
 
