@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +106,7 @@ def calibrate(model_name: str = "1B", context: int = 256, prefill: int = 256, re
     model.config.max_position_embeddings = max(context, prefill) + 8
     model = model.to(device=device, dtype=dtype).eval()
     shape = ModelShape.from_config(model.config.to_dict(), name=f"random Llama {model_name}")
-    shape = type(shape)(**{**asdict(shape), "bytes_per_value": torch.finfo(dtype).bits // 8,
-                           "lora_targets": tuple(shape.lora_targets)})
+    shape = replace(shape, bytes_per_value=torch.finfo(dtype).bits // 8)
     measured = model_steps(model, device, context, prefill, repeats)
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
     bare = RooflineCostModel(shape, Hardware(name, flops, bandwidth, 1.0, 1.0, step_overhead_s=0.0))

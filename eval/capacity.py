@@ -76,17 +76,14 @@ class Planner:
         self.simulations = 0
 
     def attainment(self, variant: str, policy_name: str, adapters: int, rate: float) -> float:
-        from preft.eval.plan import simulate
+        from preft.eval.plan import ENGINE, on_adapters, simulate
         from preft.rule import ALL_TOKEN, AdapterRule
         from preft.serving.scheduling.chunk_policies import make_policy
-
-        from preft.eval.plan import ENGINE
 
         work, rules, slots = self.work_at(rate), {}, None
         if variant != "base":
             rule = AdapterRule(prefill_only=True) if variant == "preft" else ALL_TOKEN
-            work = [replace(spec, adapter=f"a{i % adapters}") for i, spec in enumerate(work)]
-            rules = {f"a{i}": rule for i in range(adapters)}
+            work, rules = on_adapters(work, adapters, rule)
             slots = min(adapters, self.slots)
         policy = make_policy(policy_name, cost_model=self.cost_model, tpot_s=self.tpot_s, max_chunk=ENGINE["max_chunk"])
         self.simulations += 1

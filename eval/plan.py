@@ -43,7 +43,6 @@ sit side by side (``preft eval report`` puts each into docs/RESULTS.md).
 from __future__ import annotations
 
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -91,6 +90,14 @@ def capacity(cost_model, kind: str, max_len: int, probe: int = 400) -> float:
     return engine_capacity(cost_model, kind, settings)
 
 
+def on_adapters(work, count: int, rule) -> tuple[list, dict]:
+    """``work`` with request i on adapter ``a{i % count}``, and every adapter under ``rule``."""
+    from dataclasses import replace
+
+    return ([replace(spec, adapter=f"a{i % count}") for i, spec in enumerate(work)],
+            {f"a{i}": rule for i in range(count)})
+
+
 def output_throughput(result) -> float:
     timings = result.timings
     return sum(t.output_tokens for t in timings) / (max(t.finish_s for t in timings) - min(t.arrival_s for t in timings))
@@ -98,7 +105,6 @@ def output_throughput(result) -> float:
 
 def adapters_part(hardware: str, model: str, tp: int, counts: list[int], slots: int, requests: int,
                   max_len: int) -> list[dict[str, Any]]:
-    from dataclasses import replace
 
     from preft.rule import ALL_TOKEN, AdapterRule
     from preft.serving.scheduling import workloads
@@ -112,11 +118,10 @@ def adapters_part(hardware: str, model: str, tp: int, counts: list[int], slots: 
     for kind in ("lora", "reft"):
         cost_model = roofline(hardware, model, tp, adapter=kind)
         for count in counts:
-            on = [replace(spec, adapter=f"a{i % count}") for i, spec in enumerate(work)]
             held = min(count, slots)
             row = {"adapter": kind, "adapters": count, "slots": held, "base_tok_s": base}
             for variant, rule in (("preft", AdapterRule(prefill_only=True)), ("all-token", ALL_TOKEN)):
-                rules = {f"a{i}": rule for i in range(count)}
+                on, rules = on_adapters(work, count, rule)
                 row[f"{variant}_tok_s"] = output_throughput(simulate(cost_model, VllmDefault(), on, rules, held))
             row["preft_vs_all_token"] = row["preft_tok_s"] / row["all-token_tok_s"]
             row["preft_vs_base"] = row["preft_tok_s"] / base

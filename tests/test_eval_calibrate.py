@@ -17,7 +17,8 @@ def test_calibration_measures_the_hardware_and_reports_the_rooflines_error(tmp_p
     assert set(steps) == {"decode_b1", "decode_b16", "prefill"}
     assert all(s["measured_ms"] > 0 and s["predicted_ms"] > 0 for s in steps.values())
     # the batch-1 decode sets the overhead, so the roofline meets it (unless it was all compute/memory)
-    assert steps["decode_b1"]["fitted"] and abs(steps["decode_b1"]["error"]) < 1e-6 or result["step_overhead_s"] == 0
+    assert steps["decode_b1"]["fitted"] and not steps["prefill"]["fitted"]
+    assert result["step_overhead_s"] == 0 or abs(steps["decode_b1"]["error"]) < 1e-6
     from preft.serving.scheduling.roofline import Hardware, ModelShape, RooflineCostModel
 
     saved = json.loads((tmp_path / "calibrate" / "results.json").read_text())
