@@ -105,7 +105,6 @@ def output_throughput(result) -> float:
 
 def adapters_part(hardware: str, model: str, tp: int, counts: list[int], slots: int, requests: int,
                   max_len: int) -> list[dict[str, Any]]:
-
     from preft.rule import ALL_TOKEN, AdapterRule
     from preft.serving.scheduling import workloads
     from preft.serving.scheduling.chunk_policies import VllmDefault
