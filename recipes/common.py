@@ -27,8 +27,11 @@ ADAPTER_TYPES = {
 
 
 def resolve_model(name: str) -> str:
-    """``default`` is the embedded base model; anything else must be a local HF directory."""
-    path = preft.DEFAULT_BASE_MODEL if name == "default" else name
+    """``default`` is the embedded base model, a real model's short name its prepared directory
+    (:func:`preft.real_models.resolve`); anything else must be a local HF directory."""
+    from preft.real_models import resolve
+
+    path = resolve(name)
     check_model_path(path)
     return path
 

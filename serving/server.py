@@ -74,12 +74,14 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
     argv = [
         "--model", str(base_dir), "--host", args.host, "--port", str(args.port),
         "--enable-lora", "--max-loras", str(args.max_adapters), "--max-lora-rank", str(vllm_lora_rank(args.max_rank)),
-        "--max-model-len", str(args.max_model_len), "--enforce-eager", "--dtype", args.dtype,
+        "--max-model-len", "-1" if args.max_model_len == "auto" else str(args.max_model_len), "--enforce-eager", "--dtype", args.dtype,
         "--scheduler-cls", SCHEDULER_CLS,
         # SIGTERM: vLLM stops admitting and lets running requests finish for up to this long
         "--shutdown-timeout", str(args.drain_seconds),
     ]
-    served_name = args.served_model_name or ("base" if args.model == "default" else None)
+    from preft.real_models import served_name as short_name
+
+    served_name = args.served_model_name or short_name(args.model)
     if served_name:
         argv += ["--served-model-name", served_name]
     if args.lora_adapters:
@@ -110,7 +112,9 @@ def server_environment(args, base_dir: Path, reft_adapters: dict[str, str]) -> d
     env["PREFT_SERVE_BASE"], env["PREFT_SERVE_MAX_RANK"] = str(base_dir), str(args.max_rank)
     env["PREFT_SERVE_REFT"] = json.dumps(reft_adapters)
     env["PREFT_SERVE_LORA"] = json.dumps(dict(spec.split("=", 1) for spec in getattr(args, "lora_adapters", [])))
-    env["PREFT_SERVE_BASE_NAME"] = args.served_model_name or ("base" if args.model == "default" else str(base_dir))
+    from preft.real_models import served_name as short_name
+
+    env["PREFT_SERVE_BASE_NAME"] = args.served_model_name or short_name(args.model) or str(base_dir)
     env["PREFT_REFT_SLOTS"] = str(args.max_adapters)  # --max-adapters bounds ReFT-P bundles too
     env["PREFT_SCHEDULER"] = json.dumps(scheduler_spec(args))
     workers = args.tensor_parallel_size * args.pipeline_parallel_size
@@ -195,6 +199,34 @@ def scheduler_spec(args) -> dict:
     return spec.to_json()
 
 
+def max_model_len(text: str):
+    """``--max-model-len``: a positive token count, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of tokens or 'auto'")
+    return value
+
+
+def announce_max_model_len(args, base_dir: Path) -> None:
+    """One line saying what ``--max-model-len auto`` chose (vLLM's auto-fit: the model's context,
+    or what the KV cache holds if that is less; vLLM logs 'Auto-fit max_model_len' with the result)."""
+    if args.max_model_len != "auto":
+        return
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(base_dir).get_text_config(), "max_position_embeddings", None)
+    print(f"preft serve: --max-model-len auto: the model's context of {context} tokens, or less if the KV cache "
+          f"({args.kv_cache_gib} GiB on CPU) holds fewer (vLLM's 'Auto-fit max_model_len' log line says which)",
+          file=sys.stderr, flush=True)
+
+
 def check_port_free(host: str, port: int) -> None:
     """One clear line, before the model loads, if the address is taken (vLLM's own answer is a
     traceback once the engine is up)."""
@@ -212,7 +244,9 @@ def serve(args) -> int:
 
     import preft
 
-    base_dir = Path(preft.DEFAULT_BASE_MODEL if args.model == "default" else args.model)
+    from preft.real_models import resolve
+
+    base_dir = Path(resolve(args.model))
     if not (base_dir / "config.json").is_file():
         raise ValueError(f"base model not found (no config.json): {base_dir}")
     if args.allow_runtime_loading and not args.adapter_root:
@@ -233,6 +267,7 @@ def serve(args) -> int:
     if duplicated:
         raise ValueError(f"--adapter names must be unique: {', '.join(duplicated)} given more than once")
     check_port_free(args.host, args.port)
+    announce_max_model_len(args, base_dir)
     temporary_store = args.state_dir is None
     if temporary_store:
         args.state_dir = tempfile.mkdtemp(prefix="preft-serve-bundles-")
@@ -265,20 +300,24 @@ def serve(args) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default="default", help="base model directory ('default' = the embedded model)")
+    parser.add_argument("--model", default="default", help="base model: 'default' (the embedded model), a prepared real model's "
+                        "name (preft models list; served under that name) or a model directory")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=BUNDLE",
                         help="serve the bundle at BUNDLE (from `preft export`) as model NAME; repeatable")
     parser.add_argument("--max-adapters", type=int, default=8,
                         help="adapter slots in the engine, LoRA and ReFT-P each: adapters whose prompts are "
                              "prefilled in one step (default 8)")
     parser.add_argument("--max-rank", type=int, default=64, help="largest adapter rank accepted (default 64)")
-    parser.add_argument("--max-model-len", type=int, default=512, help="longest prompt + completion (default 512)")
+    parser.add_argument("--max-model-len", type=max_model_len, default="auto",
+                        help="longest prompt + completion in tokens; 'auto' (default): the model's own context, "
+                             "reduced by vLLM to what the KV cache (--kv-cache-gib on CPU) holds")
     parser.add_argument("--dtype", default="auto",
                         help="weights/activations dtype; vLLM's 'auto' is bfloat16 on CPU (float32 = HF parity)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--served-model-name", default=None,
-                        help="name of the base model in the API (default: 'base' for the embedded model, else its path)")
+                        help="name of the base model in the API (default: 'base' for the embedded model, a "
+                             "real model's short name, else its path)")
     parser.add_argument("--all-token", action="store_true",
                         help="apply every adapter (LoRA and ReFT) to all tokens: the standard multi-adapter baseline")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
