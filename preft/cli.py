@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "measure (make demo)")
     demo.add_argument("--model", default="smollm2-135m-instruct",
                       help="the real model (preft models list; prepared on first use)")
-    demo.add_argument("--steps", type=int, default=30, help="training steps per adapter (default 30, 8 rows each)")
+    demo.add_argument("--steps", type=int, default=20, help="training steps per adapter (default 20, 8 rows each)")
     demo.add_argument("--output-dir", default="runs/demo", help="where everything goes (default runs/demo)")
     demo.add_argument("--eval-adapters", type=int, default=16,
                       help="adapters in the closing preft eval serve (default 16)")

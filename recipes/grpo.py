@@ -26,6 +26,7 @@ from trl import GRPOConfig
 
 from preft.data import arithmetic_prompts, exact_match_reward
 from preft.recipe_config import check_section
+from preft import precision
 from preft.recipes.common import (
     build_adapter_config, build_trl_args, check_keys, claim_output_dir, is_main_process, resolve_model, resolve_resume,
     train, train_log, write_summary,
@@ -56,13 +57,15 @@ def greedy_accuracy(model, tokenizer, rows: Dataset, max_new_tokens: int) -> flo
 
 def main(config: dict[str, Any]) -> dict[str, Any]:
     started = time.time()
-    check_keys(config, {"recipe", "output_dir", "model", "data", "adapter", "trainer"}, {"resume_from_checkpoint", "overwrite_output_dir"})
+    check_keys(config, {"recipe", "output_dir", "model", "data", "adapter", "trainer"}, {"resume_from_checkpoint", "overwrite_output_dir", "precision"})
     output_dir = config["output_dir"]
 
     model_path = resolve_model(config["model"])
     train_set, eval_set = build_datasets(config["data"])
     peft_config = build_adapter_config(config["adapter"])
-    args = build_trl_args(GRPOConfig, config["trainer"], output_dir)
+    trainer_section = precision.apply(config.get("precision", "auto"), config["trainer"],
+                                      announce=lambda line: is_main_process() and print(f"preft train: {line}"))
+    args = build_trl_args(GRPOConfig, trainer_section, output_dir)
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
     claim_output_dir(config, "grpo", resuming=resume is not None)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

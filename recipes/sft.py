@@ -32,6 +32,7 @@ from trl import SFTConfig
 from preft.data import user_examples
 from preft.user_data import load_user_data
 from preft.recipe_config import check_section
+from preft import precision
 from preft.recipes.common import (
     LossBeforeTraining, build_adapter_config, build_trl_args, check_keys, claim_output_dir, is_main_process, resolve_model, resolve_resume,
     train, train_log, write_summary,
@@ -61,7 +62,7 @@ def build_datasets(data: dict[str, Any], tokenizer=None, context: int | None = N
 
 def main(config: dict[str, Any]) -> dict[str, Any]:
     started = time.time()
-    check_keys(config, {"recipe", "output_dir", "model", "data", "adapter", "trainer"}, {"resume_from_checkpoint", "overwrite_output_dir"})
+    check_keys(config, {"recipe", "output_dir", "model", "data", "adapter", "trainer"}, {"resume_from_checkpoint", "overwrite_output_dir", "precision"})
     output_dir = config["output_dir"]
 
     # 1-3. everything is validated before the first file is written
@@ -70,7 +71,9 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     context = AutoConfig.from_pretrained(model_path).max_position_embeddings
     train_set, eval_set = build_datasets(config["data"], tokenizer, context)
     peft_config = build_adapter_config(config["adapter"])
-    args = build_trl_args(SFTConfig, config["trainer"], output_dir)
+    trainer_section = precision.apply(config.get("precision", "auto"), config["trainer"],
+                                      announce=lambda line: is_main_process() and print(f"preft train: {line}"))
+    args = build_trl_args(SFTConfig, trainer_section, output_dir)
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
     claim_output_dir(config, "sft", resuming=resume is not None)
     trainer = PreftSFTTrainer(model=model_path, args=args, train_dataset=train_set, eval_dataset=eval_set,
