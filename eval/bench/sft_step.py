@@ -1,17 +1,28 @@
-"""Benchmark: SFT step time of LoRA-P vs all-token LoRA on the same batch (goal <= 1.05x).
+"""Benchmark: SFT step time, LoRA-P vs all-token LoRA (tiny models), or by precision (a real model).
 
-    preft bench sft-step [--repeats N]          (also part of `make bench`)
+    preft bench sft-step [--repeats N]                                   (also part of `make bench`)
+    preft bench sft-step --model smollm2-135m-instruct [--steps 16] [--rounds 2]
 
-Both adapters have the same rank and targets and train on the same batch; steps alternate
-(A, B, A, B, ...) so machine noise hits both sides alike, and the ratio of medians is reported.
-Two models: the embedded default base, and a larger random-init Llama (hidden 512, 8 layers)
-where the adapter's matmuls are a visible share of the step.
+Without ``--model``: both adapters have the same rank and targets and train on the same batch;
+steps alternate (A, B, A, B, ...) so machine noise hits both sides alike, and the ratio of medians
+is reported. Two models: the embedded default base, and a larger random-init Llama (hidden 512, 8
+layers) where the adapter's matmuls are a visible share of the step.
+
+With ``--model`` (a real model, :mod:`preft.real_models`): the SFT recipe's own trainer
+(``PreftSFTTrainer``, LoRA-P r=16 on every linear module, 8 chat rows a step: the tour's persona
+data) trains ``--steps`` steps in each precision, the precisions taking turns for ``--rounds``
+rounds: ``float32``; ``float32 + bf16 autocast`` (TRL's ``bf16=True`` over float32 weights);
+``bf16`` (:mod:`preft.precision`: bfloat16 base weights and autocast, float32 adapter). It reports
+the median step time (the first two steps of a run left out) and each precision's loss curve, the
+same seed and rows for all, so a faster step that learned less would show.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -64,6 +75,99 @@ def compare(name: str, build_base, batch, rank: int, repeats: int) -> dict:
     }
 
 
+PRECISIONS = {  # name -> (recipe precision, trainer bf16 over float32 weights)
+    "float32": ("float32", False),
+    "float32 + bf16 autocast": ("float32", True),
+    "bf16 weights + autocast": ("bf16", None),
+}
+
+
+def precision_run(model_dir: str, name: str, steps: int, out: Path) -> dict:
+    """One training run of ``steps`` steps in precision ``name``: step times and losses."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig
+
+    from preft import demo_users, precision
+    from preft.trainers import PreftSFTTrainer
+    from preft.user_data import to_prompt_completion
+
+    chosen, autocast_over_float32 = PRECISIONS[name]
+    rows = [to_prompt_completion({"messages": row["messages"]}) for row in demo_users.chat_rows("alice", 8 * steps)]
+    section = {"max_steps": steps, "per_device_train_batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 2,
+               "logging_steps": 1, "report_to": "none", "save_strategy": "no", "seed": 0}
+    if autocast_over_float32 is not None:
+        section["bf16"] = autocast_over_float32
+    section = precision.apply(chosen, section, announce=lambda line: None)
+    trainer = PreftSFTTrainer(model=model_dir, args=SFTConfig(output_dir=str(out / name.replace(" ", "_")), **section),
+                              train_dataset=Dataset.from_list(rows),
+                              peft_config=preft.PreftLoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                                task_type="CAUSAL_LM"))
+    times: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.started)
+
+    trainer.add_callback(StepTimes())
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    tokens = next(iter(trainer.get_train_dataloader()))["input_ids"].shape
+    return {"step_s": times[2:], "losses": losses, "batch_shape": list(tokens)}
+
+
+def precisions(model: str, steps: int = 16, rounds: int = 2) -> dict:
+    """The real-model comparison (see the module docstring); published as ``sft_step_MODEL``."""
+    import tempfile
+
+    from preft.real_models import resolve
+
+    model_dir = resolve(model)
+    runs: dict[str, list[dict]] = {name: [] for name in PRECISIONS}
+    with tempfile.TemporaryDirectory(prefix="preft-sft-step-") as out:
+        for round_index in range(rounds):
+            order = list(PRECISIONS)[round_index % len(PRECISIONS):] + list(PRECISIONS)[:round_index % len(PRECISIONS)]
+            for name in order:
+                print(f"round {round_index + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
+                runs[name].append(precision_run(model_dir, name, steps, Path(out)))
+    rows = []
+    for name, done in runs.items():
+        step_times = [t for run in done for t in run["step_s"]]
+        rows.append({"precision": name, "median_step_s": statistics.median(step_times),
+                     "round_medians_s": [statistics.median(run["step_s"]) for run in done],
+                     "losses_first_round": done[0]["losses"], "batch_shape": done[0]["batch_shape"]})
+    baseline = rows[0]["median_step_s"]
+    for row in rows:
+        row["speedup_vs_float32"] = baseline / row["median_step_s"]
+    command = f"preft bench sft-step --model {model} --steps {steps} --rounds {rounds}"
+    result = {"command": command, **torch_machine(), "model": model, "steps": steps, "rounds": rounds, "rows": rows}
+    shape = rows[0]["batch_shape"]
+    table = ["| precision | median step (s) | per round (s) | vs float32 | loss at steps 1 / 4 / 8 / last |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        losses = row["losses_first_round"]
+        picks = " / ".join(f"{losses[i]:.2f}" for i in (0, 3, 7) if i < len(losses)) + f" / {losses[-1]:.2f}"
+        table.append(f"| {row['precision']} | {row['median_step_s']:.2f} | "
+                     f"{', '.join(f'{t:.2f}' for t in row['round_medians_s'])} | {row['speedup_vs_float32']:.2f}x | "
+                     f"{picks} |")
+    markdown = "\n".join([
+        f"## SFT step time on a real model by precision ({model})",
+        "",
+        f"Command: `{command}` ({result['machine']}, torch {result['torch']}). The SFT recipe's trainer, LoRA-P",
+        f"r=16 on every linear module, {shape[0]} chat rows of up to {shape[1]} tokens a step (the tour's persona",
+        f"data), {steps} steps a run, the precisions taking turns for {rounds} rounds; median step time without each",
+        "run's first two steps. `bf16 weights + autocast` is what `precision: auto` picks on a CPU with native",
+        "bf16 (AVX512-BF16 or AMX) and on a GPU.",
+        "",
+        *table,
+    ])
+    publish(f"sft_step_{model}", result, markdown)
+    return result
+
+
 def main(repeats: int = 30, rank: int = 16) -> dict:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     tokenizer = AutoTokenizer.from_pretrained(preft.DEFAULT_BASE_MODEL)
@@ -100,4 +204,11 @@ if __name__ == "__main__":
 def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=default_of(main, "repeats"),
                         help="timed steps per side (default %(default)s)")
-    parser.set_defaults(bench=lambda args: main(repeats=args.repeats))
+    parser.add_argument("--model", default=None,
+                        help="a real model (preft models list) or model directory: step time by precision instead")
+    parser.add_argument("--steps", type=int, default=default_of(precisions, "steps"),
+                        help="with --model: training steps per run (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=default_of(precisions, "rounds"),
+                        help="with --model: runs per precision, taking turns (default %(default)s)")
+    parser.set_defaults(bench=lambda args: precisions(args.model, args.steps, args.rounds) if args.model
+                        else main(repeats=args.repeats))

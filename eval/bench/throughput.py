@@ -69,9 +69,12 @@ def make_bundles(base_model: str, count: int, make_config, root: Path, prefix: s
 
 
 def base_model_dir(model: str, root: Path) -> str:
-    """The base model's directory: the embedded default, or a saved random-init 512x8 Llama."""
-    if model == "default":
-        return preft.DEFAULT_BASE_MODEL
+    """The base model's directory: the embedded default, a prepared real model
+    (:mod:`preft.real_models`), or a saved random-init 512x8 Llama."""
+    from preft.real_models import KNOWN, resolve
+
+    if model == "default" or model in KNOWN:
+        return resolve(model)
     tokenizer = AutoTokenizer.from_pretrained(preft.DEFAULT_BASE_MODEL)
     larger_random_llama(len(tokenizer)).save_pretrained(root / "base_512x8")
     tokenizer.save_pretrained(root / "base_512x8")
@@ -196,16 +199,18 @@ def plot(summary: dict, counts: list[str], path: Path, title: str) -> None:
 
 def main(adapter_counts=(1, 8, 64, 256), prompts: int = 256, prompt_tokens: int = 32, output_tokens: int = 64,
          rank: int = 16, rounds: int = 5, model: str = "default") -> dict:
-    if model not in MODELS:
-        raise ValueError(f"unknown --model {model!r}: choose one of {', '.join(MODELS)}")
+    from preft.real_models import KNOWN
+
+    if model not in MODELS and model not in KNOWN:
+        raise ValueError(f"unknown --model {model!r}: choose one of {', '.join([*MODELS, *KNOWN])}")
     if max(adapter_counts) > prompts:
         raise ValueError(f"--prompts {prompts} is fewer than --adapters {max(adapter_counts)}: "
                          "a batch could not use every adapter")
-    tokenizer = AutoTokenizer.from_pretrained(preft.DEFAULT_BASE_MODEL)
     counts = [str(c) for c in adapter_counts]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         base = base_model_dir(model, tmp)
+        tokenizer = AutoTokenizer.from_pretrained(base)
         lora = lambda: preft.PreftLoraConfig(r=rank, target_modules=TARGETS, init_lora_weights=False)  # noqa: E731
         reft = lambda: preft.PreftReftConfig(rank=rank, init_weights=False)  # noqa: E731
         spec = {"model": base, "adapter_counts": list(adapter_counts), "rank": rank,
@@ -218,7 +223,7 @@ def main(adapter_counts=(1, 8, 64, 256), prompts: int = 256, prompt_tokens: int 
                            output_tokens=output_tokens, rounds=rounds)
     result = {"command": command, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "name": "throughput" if model == "default" else f"throughput_{model}", "model_key": model,
-              "model": MODELS[model],
+              "model": MODELS[model] if model in MODELS else KNOWN[model].description,
               "base_parameters": base_size - lora_size, "lora_parameters": lora_size, "rank": rank,
               "adapter_counts": counts, "prompts": prompts, "prompt_tokens": prompt_tokens,
               "output_tokens": output_tokens, "rounds": rounds, "summary": summarize(measured, counts),
@@ -284,7 +289,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=default("rounds"),
                         help="measured rounds after a warm-up (default %(default)s)")
     parser.add_argument("--model", default=default("model"),
-                        help=f"base model: {' or '.join(MODELS)} (the embedded model, or a random-init Llama)")
+                        help=f"base model: {' or '.join(MODELS)} (the embedded model, or a random-init Llama), or a "
+                             "real model (preft models list)")
     parser.set_defaults(bench=lambda args: main(
         adapter_counts=tuple(int(c) for c in args.adapters.split(",")), prompts=args.prompts,
         output_tokens=args.output_tokens, rounds=args.rounds, model=args.model))
