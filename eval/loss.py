@@ -235,7 +235,7 @@ def add_arguments(parser) -> None:
     from preft.eval.results import add_flags
 
     add_flags(parser, main, [
-        ("--model", str, "base model: 'default' (the embedded model) or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
+        ("--model", str, "base model: 'default' (the embedded model), a prepared real model (preft models list) or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
         ("--data", str, "a local JSONL/Parquet/CSV file or directory (prompt/completion or messages); "
                         "default: the synthetic personalisation task"),
         ("--ranks", str, "comma-separated ranks"),

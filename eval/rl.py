@@ -152,6 +152,6 @@ def add_arguments(parser) -> None:
         ("--steps", int, "GRPO steps per run"),
         ("--seeds", str, "comma-separated seeds (each a separate run)"),
         ("--batch-size", int, "completions per step (prompts x num_generations)"),
-        ("--model", str, "base model: 'default' or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
+        ("--model", str, "base model: 'default', a prepared real model (preft models list) or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
         ("--out", str, "results directory"),
     ])

@@ -364,7 +364,7 @@ def add_arguments(parser) -> None:
     from preft.eval.results import add_flags
 
     add_flags(parser, main, [
-        ("--model", str, "base model: 'default' or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
+        ("--model", str, "base model: 'default', a prepared real model (preft models list) or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
         ("--adapters", str, "comma-separated adapter counts N (request i uses adapter i %% N)"),
         ("--rank", int, "adapter rank"),
         ("--kinds", str, f"comma-separated adapter kinds, of {', '.join(KINDS)}"),
