@@ -95,6 +95,11 @@ def main(steps: int = 20, output_dir: str = "runs/demo", eval_adapters: int = 16
 
     stage(f"1/5 prepare {model} (preft models get)")
     model_dir = str(real_models.get(model, progress=lambda line: console.print(f"  {line}")))
+    from transformers import AutoTokenizer
+
+    if not AutoTokenizer.from_pretrained(model_dir).chat_template:
+        raise ValueError(f"the tour chats with its model, and {model} has no chat template (a base model): "
+                         f"use an instruct model such as {MODEL}")
     console.print(f"  {model_dir}")
     bundles, losses = {}, {}
     for index, (name, (config_file, wants)) in enumerate(USERS.items(), 1):
