@@ -179,7 +179,10 @@ def test_override_values_are_read_as_their_field_types():
     config = load_config(CONFIGS / "sft_lora_p.yaml", ["trainer.save_strategy=no", "trainer.learning_rate=1e-3",
                                                        "trainer.report_to=none"])
     assert config["trainer"]["save_strategy"] == "no" and config["trainer"]["learning_rate"] == 1e-3
-    args = build_trl_args(SFTConfig, config["trainer"], "unused")
+    from preft import precision
+
+    args = build_trl_args(SFTConfig, precision.apply(config["precision"], config["trainer"], announce=lambda _: None),
+                          "unused")  # as the recipe builds them: the machine's device and the YAML's precision
     assert str(args.save_strategy.value) == "no" and args.learning_rate == 1e-3
 
 
