@@ -63,9 +63,11 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     model_path = resolve_model(config["model"])
     train_set, eval_set = build_datasets(config["data"])
     peft_config = build_adapter_config(config["adapter"])
-    trainer_section = precision.apply(config.get("precision", "auto"), config["trainer"],
-                                      announce=lambda line: is_main_process() and print(f"preft train: {line}"))
+    chosen: list[str] = []
+    trainer_section = precision.apply(config.get("precision", "auto"), config["trainer"], announce=chosen.append)
     args = build_trl_args(GRPOConfig, trainer_section, output_dir)
+    if is_main_process():  # asked only now: accelerate's state must start from the trainer's own args
+        print(f"preft train: {chosen[0]}")
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
     claim_output_dir(config, "grpo", resuming=resume is not None)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

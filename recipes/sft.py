@@ -71,9 +71,11 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     context = AutoConfig.from_pretrained(model_path).max_position_embeddings
     train_set, eval_set = build_datasets(config["data"], tokenizer, context)
     peft_config = build_adapter_config(config["adapter"])
-    trainer_section = precision.apply(config.get("precision", "auto"), config["trainer"],
-                                      announce=lambda line: is_main_process() and print(f"preft train: {line}"))
+    chosen: list[str] = []
+    trainer_section = precision.apply(config.get("precision", "auto"), config["trainer"], announce=chosen.append)
     args = build_trl_args(SFTConfig, trainer_section, output_dir)
+    if is_main_process():  # asked only now: accelerate's state must start from the trainer's own args
+        print(f"preft train: {chosen[0]}")
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
     claim_output_dir(config, "sft", resuming=resume is not None)
     trainer = PreftSFTTrainer(model=model_path, args=args, train_dataset=train_set, eval_dataset=eval_set,
