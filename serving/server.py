@@ -267,7 +267,6 @@ def serve(args) -> int:
     if duplicated:
         raise ValueError(f"--adapter names must be unique: {', '.join(duplicated)} given more than once")
     check_port_free(args.host, args.port)
-    announce_max_model_len(args, base_dir)
     temporary_store = args.state_dir is None
     if temporary_store:
         args.state_dir = tempfile.mkdtemp(prefix="preft-serve-bundles-")
@@ -293,6 +292,7 @@ def serve(args) -> int:
     env = server_environment(args, base_dir, reft_adapters)
     if temporary_store:  # the API server keeps this process's pid across exec and removes it at exit
         env["PREFT_SERVE_STORE_OWNER_PID"] = str(os.getpid())
+    announce_max_model_len(args, base_dir)  # every check has passed: bad input stays one line
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_arguments(args, base_dir)]
     print("preft serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
     os.execve(sys.executable, argv, env)  # the server replaces this process
