@@ -117,7 +117,7 @@ def main(steps: int = 20, output_dir: str = "runs/demo", eval_adapters: int = 16
 
     stage("4/5 serve the three adapters and the base model with preft serve; chat through the openai client")
     args = ["--model", model, *[a for name, bundle in bundles.items() for a in ("--adapter", f"{name}={bundle}")]]
-    proc, url, ready_s = start_server([*args, "--max-model-len", "1024"], out / "server.log")
+    proc, url, ready_s = start_server(args, out / "server.log")  # --max-model-len auto: the model's context
     scores = {}
     try:
         console.print(f"  preft serve ready at {url} in {ready_s:.0f} s (log: {out / 'server.log'})")

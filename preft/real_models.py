@@ -343,5 +343,9 @@ def _version(dist: str) -> str | None:
 
 def status() -> list[dict]:
     """One row per known model: name, description, licence, the prepared directory or None."""
-    return [{"name": m.name, "description": m.description, "licence": m.licence,
-             "prepared": str(prepared_dir(m.name)) if prepared_dir(m.name) else None} for m in KNOWN.values()]
+    rows = []
+    for model in KNOWN.values():
+        path = prepared_dir(model.name)
+        rows.append({"name": model.name, "description": model.description, "licence": model.licence,
+                     "prepared": str(path) if path else None})
+    return rows

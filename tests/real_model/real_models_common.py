@@ -8,6 +8,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import preft
+from conftest import strengthen_reft
 from preft.constants import ALL_PROJECTIONS
 from preft.export import export_adapter
 from preft.families import model_load_kwargs
@@ -66,11 +67,7 @@ def make_adapters(model_dir: str, root) -> tuple[dict, dict]:
     bundles, models = {}, {None: load(model_dir)}
     for seed, (name, make_config) in enumerate(ADAPTERS.items()):
         torch.manual_seed(300 + seed)
-        model = get_peft_model(load(model_dir), make_config(layers))
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "reft_source" in param_name:
-                    param.mul_(4.0)
+        model = strengthen_reft(get_peft_model(load(model_dir), make_config(layers)))
         model.save_pretrained(root / name)
         export_adapter(root / name, model_dir, root / f"{name}.bundle")
         bundles[name] = str(root / f"{name}.bundle")

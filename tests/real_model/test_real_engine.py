@@ -58,12 +58,12 @@ def setup(request, tmp_path_factory):
     return name, model_dir, bundles, requests, reference
 
 
-def engine_requests(requests, bundles) -> list[dict]:
+def engine_requests(requests, bundles, kinds=KIND) -> list[dict]:
     pool = shared_pool()
     out = []
     for request in requests:
         entry, adapter = {"prompt_token_ids": request["ids"]}, request["adapter"]
-        if adapter and KIND[adapter] == "reft":
+        if adapter and kinds[adapter] == "reft":
             entry["reft"] = bundles[adapter]
         elif adapter:
             entry["lora"] = [adapter, pool.lora_id(bundles[adapter]), bundles[adapter]]
@@ -132,8 +132,7 @@ def test_smollm2_lora_p_equals_hf(tmp_path):
     reference = [greedy_ids(adapted if r["adapter"] else base, r["ids"], NEW_TOKENS) for r in requests]
     assert reference[0::2] != reference[1::2], "the adapter was expected to change the answers"
     bundles = {"alice": str(tmp_path / "alice.bundle")}
-    KIND.setdefault("alice", "lora")
     driver = shared_pool().get(model_dir, {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
                                            "max_model_len": 512})
     for _ in range(2):
-        assert driver.generate(engine_requests(requests, bundles), NEW_TOKENS)["tokens"] == reference
+        assert driver.generate(engine_requests(requests, bundles, {"alice": "lora"}), NEW_TOKENS)["tokens"] == reference
