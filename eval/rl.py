@@ -33,11 +33,26 @@ METHODS = {
 LABELS = {"lora": "LoRA (all tokens)", "lora_p": "LoRA-P", "reft_p": "LoReFT-P"}
 
 
-def run_config(method: str, rank: int, seed: int, steps: int, batch: int, model: str, run_dir: Path) -> dict:
+#: task -> (data section, trainer overrides): the tiny model's arithmetic, or a chat model's word problems
+TASKS = {
+    "arithmetic": (None, {}),
+    "word_problems": ({"task": "word_problems", "train_prompts": 2000, "eval_prompts": 100},
+                      {"max_completion_length": 32, "num_generations": 8}),
+}
+
+
+def run_config(method: str, rank: int, seed: int, steps: int, batch: int, model: str, run_dir: Path,
+               task: str = "arithmetic", precision: str | None = None) -> dict:
     config_file, adapter = METHODS[method]
     config = load_config(CONFIGS / config_file)
     # a run directory of the eval (inside its claimed --out), trained anew
     config.update(output_dir=str(run_dir), model=model, resume_from_checkpoint=None, overwrite_output_dir=True)
+    data, trainer = TASKS[task]
+    if data is not None:
+        config["data"] = dict(data)
+    config["trainer"].update(trainer)
+    if precision is not None:
+        config["precision"] = precision
     section = adapter(rank)
     if section["type"] == "reft_p":
         config["adapter"] = section
@@ -49,13 +64,16 @@ def run_config(method: str, rank: int, seed: int, steps: int, batch: int, model:
     return config
 
 
-def one_run(method: str, rank: int, seed: int, steps: int, batch: int, model: str, runs: Path) -> dict[str, Any]:
+def one_run(method: str, rank: int, seed: int, steps: int, batch: int, model: str, runs: Path,
+            task: str = "arithmetic", precision: str | None = None) -> dict[str, Any]:
     from preft.recipes import grpo
 
     from preft.eval.results import run_dir_for
 
-    run_dir = run_dir_for(runs, f"{method}-r{rank}-s{seed}", run_config(method, rank, seed, steps, batch, model, Path(".")))
-    config = run_config(method, rank, seed, steps, batch, model, run_dir)
+    prefix = "" if task == "arithmetic" else f"{task}-"
+    settings = (method, rank, seed, steps, batch, model)
+    run_dir = run_dir_for(runs, f"{prefix}{method}-r{rank}-s{seed}", run_config(*settings, Path("."), task, precision))
+    config = run_config(*settings, run_dir, task, precision)
     summary_path = run_dir / "run_summary.json"
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
@@ -109,12 +127,30 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+#: ``--quick``: a smoke run (LoRA vs LoRA-P, one seed, 4 steps)
+QUICK = {"methods": "lora,lora_p", "steps": 4, "seeds": "0"}
+
+
 def main(methods: str = "lora,lora_p,reft_p", rank: int = 16, steps: int = 100, seeds: str = "0",
-         batch_size: int = 64, model: str = "default", out: str = "runs/eval") -> dict[str, Any]:
+         batch_size: int = 64, model: str = "default", task: str | None = None, precision: str | None = None,
+         quick: bool = False, out: str = "runs/eval") -> dict[str, Any]:
     from preft.eval.common import parse_list
     from preft.recipes.common import resolve_model
 
     started = time.time()
+    if quick:
+        methods, steps, seeds = QUICK["methods"], QUICK["steps"], QUICK["seeds"]
+    if task is None:  # the tiny model's own arithmetic; a chat model's word problems
+        task = "arithmetic" if model == "default" else "word_problems"
+    if task not in TASKS:
+        raise ValueError(f"--task {task!r} is not one of {', '.join(TASKS)}")
+    if precision is None and model != "default":
+        precision = "auto"  # a real model trains as the machine does best; the tiny default keeps its float32
+    if precision is not None:
+        from preft.precision import CHOICES
+
+        if precision not in CHOICES:
+            raise ValueError(f"--precision {precision!r} is not one of {', '.join(CHOICES)}")
     method_list, seed_list = parse_list(methods, str, "methods"), parse_list(seeds, int, "seeds")
     unknown = [m for m in method_list if m not in METHODS]
     if unknown:
@@ -128,13 +164,16 @@ def main(methods: str = "lora,lora_p,reft_p", rank: int = 16, steps: int = 100, 
     for index, (method, seed) in enumerate(grid, 1):
         print(f"[eval rl {index}/{len(grid)}] {LABELS[method]} seed {seed} ({time.time() - started:.0f} s so far)",
               flush=True)
-        results.append(one_run(method, rank, seed, steps, batch_size, model, rl_dir / "runs"))
+        results.append(one_run(method, rank, seed, steps, batch_size, model, rl_dir / "runs", task, precision))
     command = (f"preft eval rl --methods {methods} --rank {rank} --steps {steps} --seeds {seeds} "
-               f"--batch-size {batch_size} --model {model}")
+               f"--batch-size {batch_size} --model {model} --task {task}"
+               + (f" --precision {precision}" if precision else ""))
     result = {"command": command, "runs": results, "wall_time_s": round(time.time() - started, 1)}
     rl_dir.mkdir(parents=True, exist_ok=True)
-    markdown = (f"## GRPO: reward and held-out accuracy by method\n\nCommand: `{command}`. Verifiable arithmetic "
-                f"(reward 1 for the exact answer), rank {rank}, {steps} steps from the base model.\n\n"
+    what = ("verifiable arithmetic (reward 1 for the exact answer)" if task == "arithmetic" else
+            "one-step word problems as chat prompts (reward 1 where the answer's last number is right)")
+    markdown = (f"## GRPO: reward and held-out accuracy by method\n\nCommand: `{command}`. Task: {what}; "
+                f"rank {rank}, {steps} steps from the base model.\n\n"
                 f"{table(results, method_list)}\n")
     plot(results, rl_dir / "reward_vs_step.png", f"GRPO reward, rank {rank}, {steps} steps")
     save_run(rl_dir, "rl", result, markdown, also=(rl_dir / "reward_vs_step.png",))
@@ -153,5 +192,9 @@ def add_arguments(parser) -> None:
         ("--seeds", str, "comma-separated seeds (each a separate run)"),
         ("--batch-size", int, "completions per step (prompts x num_generations)"),
         ("--model", str, "base model: 'default', a prepared real model (preft models list) or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
+        ("--task", str, "arithmetic (the tiny model's) or word_problems (a chat model's; preft/tasks.py); "
+                        "default: by the model"),
+        ("--precision", str, "auto, float32 or bf16 (default: auto for a real model, float32 for the tiny one)"),
+        ("--quick", bool, "the smoke run: LoRA vs LoRA-P, one seed, 4 steps"),
         ("--out", str, "results directory"),
     ])

@@ -2,9 +2,11 @@
 
     preft train recipes/configs/grpo_lora_p.yaml [key=value ...]
 
-1. Data: ``preft.data.arithmetic_prompts`` — ``add 31 54 =`` with a hidden exact answer; the
-   reward is ``preft.data.exact_match_reward`` (1 if the first word of the completion is the
-   answer). Training starts from the base model (the adapter starts as the identity).
+1. Data: ``data.task: arithmetic`` — ``preft.data.arithmetic_prompts``, ``add 31 54 =`` with a
+   hidden exact answer; the reward is ``preft.data.exact_match_reward`` (1 if the first word of
+   the completion is the answer). Or ``data.task: word_problems`` — a chat model's task
+   (:mod:`preft.tasks`): one-step word problems as chat prompts, reward 1 where the answer's last
+   number is right. Training starts from the base model (the adapter starts as the identity).
 2. Adapter: ``adapter.type`` = ``lora_p`` | ``reft_p`` | ``lora`` (all-token baseline).
 3. Train with ``PreftGRPOTrainer`` (TRL ``GRPOTrainer``, on-policy HF generation with the
    prefill mask); the ``trainer`` section is a ``trl.GRPOConfig``.
@@ -34,24 +36,57 @@ from preft.recipes.common import (
 from preft.trainers import PreftGRPOTrainer
 
 
+DATA_SECTIONS = {
+    "arithmetic": {"task": str, "train_prompts": int, "eval_prompts": int, "max_value": int},
+    "word_problems": {"task": str, "train_prompts": int, "eval_prompts": int},
+}
+
+
+def task_prompts(name: str, count: int, split: str) -> list[dict[str, Any]]:
+    """A :mod:`preft.tasks` task as GRPO rows: the user's turn as a conversational prompt, the
+    checker's ``target`` as a column the reward reads (never shown to the model)."""
+    from preft.tasks import rows_of
+
+    return [{"prompt": row["messages"][:-1], "target": row["target"]} for row in rows_of(name, count, split)]
+
+
+def word_problem_reward(completions: list, target: list[int], **kwargs) -> list[float]:
+    """TRL reward function: 1.0 where the completion's last number is the answer, else 0.0."""
+    from preft.tasks import check
+
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [1.0 if check("word_problems", text, value) else 0.0 for text, value in zip(texts, target)]
+
+
 def build_datasets(data: dict[str, Any]) -> tuple[Dataset, Dataset]:
-    check_section(data, {"task": str, "train_prompts": int, "eval_prompts": int, "max_value": int}, "data")
-    if data["task"] != "arithmetic":
-        raise ValueError(f"data.task {data['task']!r} is not supported by the grpo recipe (use 'arithmetic')")
+    task = data.get("task") if isinstance(data, dict) else None
+    if task not in DATA_SECTIONS:
+        raise ValueError(f"data.task {task!r} is not supported by the grpo recipe (use one of {sorted(DATA_SECTIONS)})")
+    check_section(data, DATA_SECTIONS[task], "data")
+    if task == "word_problems":
+        return (Dataset.from_list(task_prompts(task, data["train_prompts"], "train")),
+                Dataset.from_list(task_prompts(task, data["eval_prompts"], "held_out")))
     train = arithmetic_prompts(data["train_prompts"], seed=0, max_value=data["max_value"])
     held_out = arithmetic_prompts(data["eval_prompts"], seed=1, max_value=data["max_value"])
     return Dataset.from_list(train), Dataset.from_list(held_out)
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: Dataset, max_new_tokens: int) -> float:
+def greedy_accuracy(model, tokenizer, rows: Dataset, max_new_tokens: int, reward=exact_match_reward) -> float:
+    """The mean reward of greedy answers to ``rows`` (chat prompts through the chat template)."""
     was_training = model.training
     model.eval()
-    batch = tokenizer(list(rows["prompt"]), return_tensors="pt", padding=True).to(model.device)
+    prompts = list(rows["prompt"])
+    if not isinstance(prompts[0], str):
+        prompts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generate continues each row's end
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=isinstance(rows["prompt"][0], str)).to(model.device)
+    tokenizer.padding_side = side
     out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     model.train(was_training)
-    rewards = exact_match_reward(texts, list(rows["answer"]))
+    columns = {key: list(rows[key]) for key in rows.column_names if key != "prompt"}
+    rewards = reward(texts, **columns)
     return sum(rewards) / len(rewards)
 
 
@@ -71,13 +106,14 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     resume = resolve_resume(output_dir, config.get("resume_from_checkpoint"))
     claim_output_dir(config, "grpo", resuming=resume is not None)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    trainer = PreftGRPOTrainer(model=model_path, reward_funcs=exact_match_reward, args=args,
+    reward = word_problem_reward if config["data"]["task"] == "word_problems" else exact_match_reward
+    trainer = PreftGRPOTrainer(model=model_path, reward_funcs=reward, args=args,
                                train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config)
 
     max_new = args.max_completion_length
-    initial_accuracy = greedy_accuracy(trainer.model, tokenizer, eval_set, max_new)
+    initial_accuracy = greedy_accuracy(trainer.model, tokenizer, eval_set, max_new, reward)
     train(trainer, resume)
-    final_accuracy = greedy_accuracy(trainer.model, tokenizer, eval_set, max_new)
+    final_accuracy = greedy_accuracy(trainer.model, tokenizer, eval_set, max_new, reward)
 
     adapter_dir = Path(output_dir) / "adapter"
     trainer.save_model(str(adapter_dir))
