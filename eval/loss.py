@@ -32,6 +32,7 @@ import preft
 from preft.eval.common import parse_list
 from preft.recipe_config import load_config
 from preft.eval.results import save_run
+from preft.eval.task_accuracy import BUCKETS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 #: method -> (recipe config, adapter section overrides for rank r), the all-token baseline first
@@ -57,6 +58,8 @@ def run_config(method: str, rank: int, seed: int, args: dict[str, Any], run_dir:
     else:
         config["data"] = {**config["data"], "eval_examples": args["eval_examples"]}
     config["adapter"].update(adapter(rank))
+    if args.get("precision"):
+        config["precision"] = args["precision"]
     config["trainer"].update(max_steps=args["steps"], seed=seed, report_to=args["report_to"],
                              eval_steps=max(1, args["steps"] // 4), save_steps=max(1, args["steps"] // 2),
                              logging_steps=max(1, args["steps"] // 20),
@@ -100,7 +103,8 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path,
 
     from preft.eval.results import run_dir_for
 
-    run_dir = run_dir_for(runs, f"{method}-r{rank}-s{seed}", run_config(method, rank, seed, args, Path(".")))
+    prefix = f"{args['task']}-" if args.get("task") else ""
+    run_dir = run_dir_for(runs, f"{prefix}{method}-r{rank}-s{seed}", run_config(method, rank, seed, args, Path(".")))
     config = run_config(method, rank, seed, args, run_dir)
     summary_path, metrics_path = run_dir / "run_summary.json", run_dir / "eval_metrics.json"
     if summary_path.is_file() and metrics_path.is_file():
@@ -125,8 +129,16 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path,
     model_path = resolve(config["model"])
     metrics = {"method": method, "rank": rank, "seed": seed, "run_dir": str(run_dir), "steps": summary["steps"],
                "eval_loss": summary["final_eval_loss"], "initial_eval_loss": summary["initial_eval_loss"],
-               "exact_match": exact_match(model_path, summary["adapter_dir"], held_out),
-               "train_rows": len(train_set), "held_out_rows": len(held_out), "wall_time_s": summary.get("wall_time_s")}
+               "train_rows": len(train_set), "held_out_rows": len(held_out),
+               "wall_time_s": json.loads(summary_path.read_text()).get("wall_time_s")}
+    if args.get("task"):  # a study task: its checker on greedy answers, and the loss by answer position
+        from preft.eval import task_accuracy
+        from preft.tasks import task
+
+        metrics.update(task=args["task"], exact_match=None, **task_accuracy.evaluate(
+            model_path, summary["adapter_dir"], task(args["task"]), args["task_rows"], config.get("precision", "auto")))
+    else:
+        metrics["exact_match"] = exact_match(model_path, summary["adapter_dir"], held_out)
     metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
@@ -137,6 +149,8 @@ def table(results: list[dict[str, Any]], methods: list[str], ranks: list[int]) -
         runs = [r for r in results if r["method"] == method and r["rank"] == rank]
         loss = statistics.mean(r["eval_loss"] for r in runs)
         text = f"{loss:.3f}" + (f" (±{statistics.stdev(r['eval_loss'] for r in runs):.3f})" if len(runs) > 1 else "")
+        if runs and runs[0].get("accuracy") is not None:
+            return text + f", acc {statistics.mean(r['accuracy'] for r in runs):.0%}"
         matches = [r["exact_match"] for r in runs if r["exact_match"] is not None]
         return text + (f", EM {statistics.mean(matches):.0%}" if matches else "")
 
@@ -145,89 +159,187 @@ def table(results: list[dict[str, Any]], methods: list[str], ranks: list[int]) -
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], methods: list[str], ranks: list[int], path: Path, title: str) -> None:
+def position_table(results: list[dict[str, Any]], methods: list[str], ranks: list[int]) -> str:
+    """Markdown: held-out NLL by answer-token position, per method and rank (mean over seeds)."""
+    buckets = [name for name, _, _ in BUCKETS]
+    lines = ["| method, rank | " + " | ".join(f"NLL, {b}" for b in buckets) + " |", "|---|" + "---|" * len(buckets)]
+    for method in methods:
+        for rank in ranks:
+            runs = [r for r in results if r["method"] == method and r["rank"] == rank and r.get("loss_by_position")]
+            if runs:
+                cells = [f"{statistics.mean(r['loss_by_position'][b] for r in runs):.3f}" for b in buckets]
+                lines.append(f"| {LABELS[method]} r={rank} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], methods: list[str], ranks: list[int], path: Path, title: str,
+         base: dict[str, Any] | None = None) -> None:
+    """Held-out loss by rank, and task accuracy beside it where the task has a checker."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for method in methods:
-        means = [statistics.mean(r["eval_loss"] for r in results if r["method"] == method and r["rank"] == rank)
-                 for rank in ranks]
-        ax.plot(ranks, means, marker="o", label=LABELS[method], linestyle="--" if method == "lora" else "-")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ranks, [str(r) for r in ranks])
-    ax.set_xlabel("rank")
-    ax.set_ylabel("held-out loss")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    with_accuracy = any(r.get("accuracy") is not None for r in results)
+    fig, axes = plt.subplots(1, 2 if with_accuracy else 1, figsize=(11 if with_accuracy else 6.4, 4.2), squeeze=False)
+    for ax, key, label in zip(axes[0], ("eval_loss", "accuracy"), ("held-out loss", "held-out task accuracy")):
+        for method in methods:
+            means = [statistics.mean(r[key] for r in results if r["method"] == method and r["rank"] == rank)
+                     for rank in ranks]
+            ax.plot(ranks, means, marker="o", label=LABELS[method], linestyle="--" if method == "lora" else "-")
+        if key == "accuracy" and base is not None:
+            ax.axhline(base["accuracy"], color="grey", linestyle=":", label="base model")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ranks, [str(r) for r in ranks])
+        ax.set_xlabel("rank")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(model: str = "default", data: str | None = None, ranks: str = "1,4,16,64",
+#: ``--quick``: a smoke grid (two tasks, all-token LoRA against LoRA-P at rank 4, 20 steps)
+QUICK = {"tasks": "house_style,route", "methods": "lora,lora_p", "ranks": "4", "steps": 20, "seeds": "0",
+         "eval_examples": 32, "batch_size": 8}
+
+
+def write_task_data(name: str, directory: Path, train_rows: int, held_out_rows: int, seed: int = 0) -> list[dict]:
+    """``DIRECTORY/train.jsonl`` and ``validation.jsonl`` of study task ``name`` (chat rows, as
+    ``preft train`` reads a user's data); the held-out rows, with their checker targets."""
+    import os
+
+    from preft.tasks import rows_of
+
+    directory.mkdir(parents=True, exist_ok=True)
+    held_out = rows_of(name, held_out_rows, "held_out", seed)
+    for file, rows in (("train.jsonl", rows_of(name, train_rows, "train", seed)), ("validation.jsonl", held_out)):
+        temp = directory / f".{file}.{os.getpid()}.tmp"
+        temp.write_text("".join(json.dumps({"messages": row["messages"]}) + "\n" for row in rows))
+        os.replace(temp, directory / file)
+    return held_out
+
+
+def base_task_metrics(model_path: str, name: str, rows: list[dict], precision: str, directory: Path) -> dict:
+    """The base model's accuracy and loss by position on task ``name`` (kept in ``DIRECTORY``)."""
+    from preft.eval import task_accuracy
+    from preft.tasks import task
+
+    path = directory / "base_metrics.json"
+    key = {"model": model_path, "rows": len(rows), "precision": precision}
+    if path.is_file() and json.loads(path.read_text()).get("key") == key:
+        return json.loads(path.read_text())
+    metrics = {"key": key, **task_accuracy.evaluate(model_path, None, task(name), rows, precision)}
+    path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def main(model: str = "default", data: str | None = None, tasks: str | None = None, ranks: str = "1,4,16,64",
          methods: str = "lora,lora_p,loreft_p,direft_p", steps: int = 300, seeds: str = "0",
-         eval_examples: int = 128, batch_size: int = 16, learning_rate: float | None = None,
-         lr_schedule: str | None = None,
+         eval_examples: int = 128, train_rows: int = 400, batch_size: int = 16, learning_rate: float | None = None,
+         lr_schedule: str | None = None, precision: str | None = None, quick: bool = False,
          report_to: str = "none", out: str = "runs/eval") -> dict[str, Any]:
     from preft.recipes import sft
     from preft.recipes.common import resolve_model
 
     started = time.time()
+    given = {"model": model, "data": data, "tasks": tasks, "ranks": ranks, "methods": methods, "steps": steps,
+             "seeds": seeds, "eval_examples": eval_examples, "train_rows": train_rows, "batch_size": batch_size,
+             "learning_rate": learning_rate, "lr_schedule": lr_schedule, "precision": precision, "quick": quick}
+    if quick:
+        if data:
+            raise ValueError("--quick runs the study tasks; give --data without --quick")
+        given.update(QUICK)
+        tasks, methods, ranks, steps, seeds = QUICK["tasks"], QUICK["methods"], QUICK["ranks"], QUICK["steps"], QUICK["seeds"]
+        eval_examples, batch_size = QUICK["eval_examples"], QUICK["batch_size"]
+    if tasks and data:
+        raise ValueError("give --tasks (the study tasks) or --data (your own rows), not both")
     rank_list, seed_list = parse_list(ranks, int, "ranks"), parse_list(seeds, int, "seeds")
     method_list = parse_list(methods, str, "methods")
     unknown = [m for m in method_list if m not in METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown method(s) {unknown} (choose from {', '.join(METHODS)})")
-    if any(r < 1 for r in rank_list) or steps < 1 or eval_examples < 1 or batch_size < 1:
-        raise ValueError("--ranks, --steps, --eval-examples and --batch-size must be >= 1")
+    task_list = parse_list(tasks, str, "tasks") if tasks else [None]
+    from preft.tasks import TASKS
+
+    unknown = [t for t in task_list if t is not None and t not in TASKS]
+    if unknown:
+        raise ValueError(f"--tasks: unknown task(s) {unknown} (choose from {', '.join(TASKS)})")
+    if any(r < 1 for r in rank_list) or steps < 1 or eval_examples < 1 or batch_size < 1 or train_rows < 1:
+        raise ValueError("--ranks, --steps, --eval-examples, --train-rows and --batch-size must be >= 1")
     if lr_schedule is not None:
         from transformers import SchedulerType
 
         schedules = [kind.value for kind in SchedulerType]
         if lr_schedule not in schedules:
             raise ValueError(f"--lr-schedule {lr_schedule!r} is not one of {', '.join(schedules)}")
-    args = {"model": model, "data": data, "steps": steps, "eval_examples": eval_examples, "batch_size": batch_size,
-            "learning_rate": learning_rate, "lr_schedule": lr_schedule, "report_to": report_to}
+    if precision is None and model != "default":
+        precision = "auto"  # a real model trains as the machine does best; the tiny default keeps its float32
+    if precision is not None:
+        from preft.precision import CHOICES
+
+        if precision not in CHOICES:
+            raise ValueError(f"--precision {precision!r} is not one of {', '.join(CHOICES)}")
     # the data and the model are checked once, before any run: bad input costs no training
     from transformers import AutoConfig, AutoTokenizer
 
     model_path = resolve_model(model)
     tokenizer, context = AutoTokenizer.from_pretrained(model_path), AutoConfig.from_pretrained(model_path)
-    probe = run_config(method_list[0], rank_list[0], seed_list[0], args, Path(out) / "loss" / "probe")
-    train_set, held_out = sft.build_datasets(probe["data"], tokenizer, context.max_position_embeddings)
-
     loss_dir = Path(out) / "loss"
-    runs = loss_dir / "runs"
-    grid = [(m, r, s) for m in method_list for r in rank_list for s in seed_list]
-    results = []
-    for index, (method, rank, seed) in enumerate(grid, 1):
-        print(f"[eval loss {index}/{len(grid)}] {LABELS[method]} rank {rank} seed {seed} "
-              f"({time.time() - started:.0f} s so far)", flush=True)
-        results.append(one_run(method, rank, seed, args, runs, (train_set, held_out)))
+    grid = [(t, m, r, s) for t in task_list for m in method_list for r in rank_list for s in seed_list]
+    results, bases, sizes = [], {}, {}
+    for task_name in task_list:
+        args = {"model": model, "data": data, "steps": steps, "eval_examples": eval_examples,
+                "batch_size": batch_size, "learning_rate": learning_rate, "lr_schedule": lr_schedule,
+                "report_to": report_to, "precision": precision}
+        if task_name:
+            folder = loss_dir / "data" / task_name
+            args.update(data=str(folder), task=task_name,
+                        task_rows=write_task_data(task_name, folder, train_rows, eval_examples))
+            bases[task_name] = base_task_metrics(model_path, task_name, args["task_rows"], precision or "auto", folder)
+            print(f"[eval loss] {task_name}: base model accuracy {bases[task_name]['accuracy']:.0%}", flush=True)
+        probe = run_config(method_list[0], rank_list[0], seed_list[0], args, loss_dir / "probe")
+        train_set, held_out = sft.build_datasets(probe["data"], tokenizer, context.max_position_embeddings)
+        sizes[task_name] = (len(train_set), len(held_out))
+        for method in method_list:
+            for rank in rank_list:
+                for seed in seed_list:
+                    index = grid.index((task_name, method, rank, seed)) + 1
+                    print(f"[eval loss {index}/{len(grid)}] {task_name + ': ' if task_name else ''}{LABELS[method]} "
+                          f"rank {rank} seed {seed} ({time.time() - started:.0f} s so far)", flush=True)
+                    results.append(one_run(method, rank, seed, args, loss_dir / "runs", (train_set, held_out)))
 
     source = data or "the synthetic personalisation task (preft.data.user_examples, user 0)"
-    title = f"held-out loss by rank: {Path(model_path).name}, {Path(data).name if data else 'synthetic task'}"
     from preft.eval.results import command_line
 
-    given = {"model": model, "data": data, "ranks": ranks, "methods": methods, "steps": steps, "seeds": seeds,
-             "eval_examples": eval_examples, "batch_size": batch_size, "learning_rate": learning_rate,
-             "lr_schedule": lr_schedule}
     result = {"command": command_line("loss", main, given, always=("model", "ranks", "methods", "steps", "seeds")),
               "learning_rate": learning_rate, "lr_schedule": lr_schedule, "batch_size": batch_size,
-              "model": model, "data": source, "train_rows": len(train_set), "held_out_rows": len(held_out),
-              "ranks": rank_list, "methods": method_list, "seeds": seed_list, "steps": steps,
+              "precision": precision, "model": model, "tasks": task_list if tasks else None,
+              "data": None if tasks else source, "rows": {str(k): v for k, v in sizes.items()},
+              "base": bases, "ranks": rank_list, "methods": method_list, "seeds": seed_list, "steps": steps,
               "runs": results, "wall_time_s": round(time.time() - started, 1)}
+    if not tasks:
+        result.update(train_rows=sizes[None][0], held_out_rows=sizes[None][1])
     loss_dir.mkdir(parents=True, exist_ok=True)
-    markdown = (f"## Held-out loss by rank\n\nCommand: `{result['command']}`. Data: {source} "
-                f"({len(train_set)} training rows, {len(held_out)} held out); {steps} steps per run, "
-                f"seeds {seed_list}.\n\n{table(results, method_list, rank_list)}\n")
-    plot(results, method_list, rank_list, loss_dir / "loss_vs_rank.png", title)
-    save_run(loss_dir, "loss", result, markdown, also=(loss_dir / "loss_vs_rank.png",))
-    print(f"written: {loss_dir / 'results.json'}, {loss_dir / 'loss.md'}, {loss_dir / 'loss_vs_rank.png'}")
+    figures, sections = [], []
+    for task_name in task_list:
+        runs = [r for r in results if r.get("task") == task_name]
+        label = task_name or (Path(data).name if data else "synthetic task")
+        figure = loss_dir / (f"loss_vs_rank_{task_name}.png" if task_name else "loss_vs_rank.png")
+        plot(runs, method_list, rank_list, figure, f"held-out loss by rank: {Path(model_path).name}, {label}",
+             bases.get(task_name))
+        figures.append(figure)
+        rows = sizes[task_name]
+        base = (f" Base model: accuracy {bases[task_name]['accuracy']:.0%}." if task_name else "")
+        sections.append(f"### {label}\n\n{rows[0]} training rows, {rows[1]} held out; {steps} steps per run, "
+                        f"seeds {seed_list}.{base}\n\n{table(runs, method_list, rank_list)}\n")
+        if task_name:
+            sections.append(position_table(runs, method_list, rank_list) + "\n")
+    markdown = (f"## Held-out loss by rank\n\nCommand: `{result['command']}`. "
+                + ("" if tasks else f"Data: {source}. ") + "\n\n" + "\n".join(sections))
+    save_run(loss_dir, "loss", result, markdown, also=tuple(figures))
     return result
 
 
@@ -238,6 +350,8 @@ def add_arguments(parser) -> None:
         ("--model", str, "base model: 'default' (the embedded model), a prepared real model (preft models list) or a local model directory (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2)"),
         ("--data", str, "a local JSONL/Parquet/CSV file or directory (prompt/completion or messages); "
                         "default: the synthetic personalisation task"),
+        ("--tasks", str, "comma-separated study tasks instead of --data (preft/tasks.py: house_style, extract, "
+                         "route, word_problems): loss, task accuracy and loss by answer position"),
         ("--ranks", str, "comma-separated ranks"),
         ("--methods", str, f"comma-separated, of {', '.join(METHODS)}"),
         ("--steps", int, "training steps per run"),
@@ -247,6 +361,10 @@ def add_arguments(parser) -> None:
         ("--learning-rate", float, "learning rate for every run (default: each method's recipe config)"),
         ("--lr-schedule", str, "the trainer's lr_scheduler_type for every run, e.g. constant, linear, cosine "
                                "(default: each method's recipe config)"),
+        ("--train-rows", int, "training rows of each study task"),
+        ("--precision", str, "auto, float32 or bf16 (default: auto for a real model, the recipe's float32 for "
+                             "the tiny default model)"),
+        ("--quick", bool, "the smoke grid: house_style and route, LoRA vs LoRA-P at rank 4, 20 steps"),
         ("--report-to", str, "the trainer's report_to ('none', or 'wandb': offline unless WANDB_MODE says)"),
         ("--out", str, "results directory"),
     ])

@@ -30,6 +30,8 @@ EVALS = {
                                            "its error on a random-init Llama's decode and prefill steps"),
     "capacity": ("preft.eval.capacity", "a capacity plan in simulation: requests/s within an SLO and adapters per "
                                          "GPU for the base model, PreFT and all-token, and the chunk policy to use"),
+    "frontier": ("preft.eval.frontier", "held-out task accuracy against served throughput, a point per "
+                                         "(method, rank), one plot per task (from eval loss --tasks and eval serve)"),
     "report": ("preft.eval.report", "every eval result in one report, and the accuracy/throughput figure"),
 }
 

@@ -99,6 +99,12 @@ def test_conversational_user_data_becomes_prompt_completion(tmp_path):
     (["serve", "--variants", "fast"], "--variants: unknown ['fast']"),
     (["rl", "--methods", "dpo"], "unknown method(s) ['dpo']"),
     (["report", "--out", "/nonexistent/eval"], "no eval results found"),
+    (["loss", "--tasks", "poems"], "--tasks: unknown task(s) ['poems']"),
+    (["loss", "--tasks", "route", "--data", "mine.jsonl"], "give --tasks (the study tasks) or --data"),
+    (["loss", "--quick", "--data", "mine.jsonl"], "--quick runs the study tasks"),
+    (["loss", "--precision", "fp8"], "--precision 'fp8' is not one of auto, float32, bf16"),
+    (["rl", "--task", "chess"], "--task 'chess' is not one of arithmetic, word_problems"),
+    (["frontier", "--loss", "/nonexistent/loss"], "no results file at /nonexistent/loss"),
 ])
 def test_eval_refuses_bad_arguments_in_one_line(capsys, argv, message):
     assert cli_main(["eval", *argv]) == 2
@@ -171,3 +177,37 @@ def test_eval_loss_reuses_finished_runs_and_retrains_when_an_input_changes(eval_
     assert faster["runs"][0]["eval_loss"] != again["runs"][0]["eval_loss"]
     first = json.loads((Path(again["runs"][0]["run_dir"]) / "run_summary.json").read_text())
     assert first["final_eval_loss"] == again["runs"][0]["eval_loss"]
+
+
+def test_eval_frontier_puts_each_method_and_rank_at_its_own_served_throughput(tmp_path):
+    """Accuracy from the loss study, throughput from the serve run of the same rank, as a ratio
+    to that run's base; a (method, rank) nobody served is listed and left off the plot."""
+    from preft.eval import frontier
+
+    def run(method, rank, seed, accuracy):
+        return {"task": "route", "method": method, "rank": rank, "seed": seed, "accuracy": accuracy,
+                "eval_loss": 1.0 - accuracy}
+
+    loss = {"command": "preft eval loss --tasks route", "tasks": ["route"], "base": {"route": {"accuracy": 0.0}},
+            "runs": [run("lora", 4, 0, 0.9), run("lora_p", 4, 0, 0.6), run("lora_p", 4, 1, 0.8),
+                     run("lora_p", 64, 0, 0.9)]}
+
+    def serve(rank, preft, all_token):
+        rows = [{"variant": "preft", "kind": "lora", "adapters": 64, "rank": rank, "vs_base": preft,
+                 "output_throughput": 100 * preft},
+                {"variant": "all-token", "kind": "lora", "adapters": 64, "rank": rank, "vs_base": all_token,
+                 "output_throughput": 100 * all_token},
+                {"variant": "preft", "kind": "lora", "adapters": 8, "rank": rank, "vs_base": 0.99,
+                 "output_throughput": 99}]
+        return {"command": f"preft eval serve --rank {rank}", "rows": rows}
+
+    (tmp_path / "loss.json").write_text(json.dumps(loss))
+    (tmp_path / "s4.json").write_text(json.dumps(serve(4, 0.9, 0.5)))
+    result = frontier.main(loss=str(tmp_path / "loss.json"), serve=str(tmp_path / "s4.json"), out=str(tmp_path))
+    points = {(p["method"], p["rank"]): p for p in result["points"]}
+    assert points[("lora_p", 4)]["accuracy"] == pytest.approx(0.7) and points[("lora_p", 4)]["seeds"] == 2
+    assert points[("lora_p", 4)]["vs_base"] == 0.9 and points[("lora", 4)]["vs_base"] == 0.5
+    assert points[("lora_p", 64)]["vs_base"] is None  # rank 64 was not served
+    table = (tmp_path / "frontier" / "frontier.md").read_text()
+    assert "| LoRA-P | 64 | 90% | 0.100 | not served |" in table and "| LoRA-P | 4 | 70% |" in table
+    assert (tmp_path / "frontier" / "frontier_route.png").stat().st_size > 1000
