@@ -60,11 +60,12 @@ bench: install
 	$(BIN)/preft bench throughput --model 512x8 --adapters 1,8,64 --prompts 64 --rounds 3
 	$(BIN)/preft bench soak
 
-# The eval harness, its sections into docs/RESULTS.md (about 60 minutes on 2 cores): loss, serving
+# The eval harness, its sections into docs/RESULTS.md (about 70 minutes on 2 cores): loss, serving
 # and RL on the embedded model; step cost models, SLOWeave goodput (512x8), prefix scheduling and
-# multi-turn conversations.
+# multi-turn conversations; and the real model's study tasks in their smoke grid (about 8 minutes).
 eval: install
 	$(BIN)/preft eval loss --out runs/eval_results
+	$(BIN)/preft eval loss --model smollm2-135m-instruct --quick --out runs/eval_results/study
 	$(BIN)/preft eval serve --adapters 8 --kinds lora,reft --num-prompts 128 --output-len 64 --out runs/eval_results
 	$(BIN)/preft eval rl --out runs/eval_results
 	$(BIN)/preft eval profile --model default --served --out runs/eval_results

@@ -1,21 +1,34 @@
-"""`preft eval loss`: held-out loss by rank, PreFT against standard PEFT, on the user's model and data.
+"""`preft eval loss`: held-out loss and task accuracy by rank, PreFT against standard PEFT.
 
-    preft eval loss [--model default] [--data FILE_OR_DIR] [--ranks 1,4,16,64]
-                    [--methods lora,lora_p,loreft_p,direft_p] [--steps 300] [--seeds 0] [--out runs/eval]
+    preft eval loss [--model default] [--data FILE_OR_DIR | --tasks route,extract,house_style]
+                    [--ranks 1,4,16,64] [--methods lora,lora_p,loreft_p,direft_p] [--steps 300]
+                    [--seeds 0] [--precision auto] [--quick] [--out runs/eval]
 
-Every (method, rank, seed) is one run of the SFT recipe (:mod:`preft.recipes.sft`, what
+Every (task, method, rank, seed) is one run of the SFT recipe (:mod:`preft.recipes.sft`, what
 ``preft train`` runs), from the method's shipped config (``sft_lora.yaml``, ``sft_lora_p.yaml``,
 ``sft_reft_p.yaml``) with the model, data, rank, steps and seed set. Rank means ``r`` with
 ``lora_alpha = 2r`` for LoRA, ``rank`` on every layer for ReFT. Each run has its own directory
 under ``OUT/loss/runs/``: a finished run (its ``run_summary.json`` made from the same config) is
-skipped, an interrupted one resumes from its newest complete checkpoint. The held-out loss is the
-trainer's eval loss on the held-out rows; where the answers are short (a median of at most
-``EXACT_MATCH_MAX_TOKENS`` tokens), exact match of greedy answers too (HF generate, which applies
-the adapter to prompt tokens only for the PreFT methods).
+skipped, an interrupted one resumes from its newest complete checkpoint, so a long study is
+rerun with the same command until it is complete.
 
-Writes ``OUT/loss/results.json``, ``OUT/loss/loss.md`` (a table: loss and exact match by method and
-rank, mean over seeds) and ``OUT/loss/loss_vs_rank.png``. Bad data fails before any training,
-in one line (:mod:`preft.user_data`).
+The data is the user's (``--data``) or the study tasks (``--tasks``, :mod:`preft.tasks`: chat
+rows generated with a fixed seed, written to ``OUT/loss/data/TASK/``). The held-out loss is the
+trainer's eval loss on the held-out rows. For a study task, also: greedy accuracy under the
+task's exact checker (HF generate, which applies the adapter to prompt tokens only for the
+PreFT methods), the base model's accuracy, and the loss split by answer position
+(:mod:`preft.eval.task_accuracy`: first answer token, tokens 2-4, tokens 5+), which says where a
+prefill-only adapter loses. For ``--data`` with short answers (a median of at most
+``EXACT_MATCH_MAX_TOKENS`` tokens), exact match of greedy answers.
+
+``--precision auto`` (the default for a real model) trains in bf16 autocast where the machine is
+faster in it. ``--quick`` is the smoke grid (house_style and route, LoRA vs LoRA-P at rank 4, 20
+steps), about 8 minutes on 2 cores.
+
+Writes ``OUT/loss/results.json``, ``OUT/loss/loss.md`` (tables: loss and accuracy by method and
+rank, mean over seeds; loss by answer position) and ``loss_vs_rank.png`` (per task:
+``loss_vs_rank_TASK.png``, loss and accuracy panels with the base model's accuracy). Bad data
+fails before any training, in one line (:mod:`preft.user_data`).
 """
 
 from __future__ import annotations
