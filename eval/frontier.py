@@ -1,15 +1,17 @@
 """`preft eval frontier`: the accuracy–throughput picture the PreFT paper argues from, one plot per task.
 
-    preft eval frontier --loss runs/study/loss/results.json
+    preft eval frontier --loss runs/study/loss
                         --serve runs/serve-r4/serve/results.json,runs/serve-r16/serve/results.json
                         [--adapters 64] [--out runs/eval]
 
 A point per (method, rank): x is the served output throughput with that method's adapters at
 that rank, as a fraction of the base model's in the same ``preft eval serve`` run (a ratio
 within one run: machines drift between runs), y the held-out task accuracy from ``preft eval
-loss --tasks`` (mean over seeds). Methods map to served variants: all-token LoRA is
-``all-token`` ``lora``, LoRA-P ``preft`` ``lora``, LoReFT-P and DiReFT-P ``preft`` ``reft`` (the
-served ReFT is LoReFT; DiReFT's cost differs by one d x r product). A (method, rank) without a
+loss --tasks`` (mean over seeds): its ``results.json``, or its ``OUT/loss`` directory, which
+reads every finished run there, so a study made by several commands is plotted whole. Methods
+map to served variants: all-token LoRA is ``all-token`` ``lora``, LoRA-P ``preft`` ``lora``,
+LoReFT-P and DiReFT-P ``preft`` ``reft`` (the served ReFT is LoReFT; DiReFT's cost differs by
+one d x r product). A (method, rank) without a
 served measurement is listed and left off the plot. (``preft eval report``'s trade-off figure is
 the loss-axis view of one served rank; this is the accuracy view, rank by rank.)
 
@@ -30,11 +32,30 @@ from preft.eval.results import save_run
 
 def _read(path: str) -> dict[str, Any]:
     file = Path(path)
+    if file.is_dir() and (file / "runs").is_dir() and (file / "data").is_dir():
+        return _study(file)
     if file.is_dir():
         file = file / "results.json"
     if not file.is_file():
         raise ValueError(f"no results file at {path} (give a results.json or the directory holding it)")
     return json.loads(file.read_text())
+
+
+def _study(loss_dir: Path) -> dict[str, Any]:
+    """Every finished cell of a ``preft eval loss --tasks`` study directory (``OUT/loss``), however
+    many commands made them: a study run in parts (a grid at a time) is read whole."""
+    runs = []
+    for metrics in sorted(loss_dir.glob("runs/*/eval_metrics.json")):
+        run = json.loads(metrics.read_text())
+        if run.get("task") and run.get("accuracy") is not None:
+            runs.append(run)
+    if not runs:
+        raise ValueError(f"{loss_dir}: no finished study-task run under runs/ (make them with preft eval loss --tasks ...)")
+    tasks = list(dict.fromkeys(run["task"] for run in runs))
+    base = {task: json.loads((loss_dir / "data" / task / "base_metrics.json").read_text())
+            for task in tasks if (loss_dir / "data" / task / "base_metrics.json").is_file()}
+    return {"tasks": tasks, "runs": runs, "base": base,
+            "command": f"every finished run of preft eval loss --tasks under {loss_dir}"}
 
 
 def throughputs(serve_results: list[dict[str, Any]], adapters: int) -> dict[tuple[str, int], dict[str, float]]:
@@ -126,7 +147,7 @@ def add_arguments(parser) -> None:
     from preft.eval.results import add_flags
 
     add_flags(parser, main, [
-        ("--loss", str, "preft eval loss --tasks results (its results.json or directory)"),
+        ("--loss", str, "preft eval loss --tasks results: its results.json, or its OUT/loss directory (every finished run there)"),
         ("--serve", str, "comma-separated preft eval serve results (results.json or directories), one per rank"),
         ("--adapters", int, "the adapter count whose throughput is read"),
         ("--out", str, "results directory"),

@@ -211,3 +211,33 @@ def test_eval_frontier_puts_each_method_and_rank_at_its_own_served_throughput(tm
     table = (tmp_path / "frontier" / "frontier.md").read_text()
     assert "| LoRA-P | 64 | 90% | 0.100 | not served |" in table and "| LoRA-P | 4 | 70% |" in table
     assert (tmp_path / "frontier" / "frontier_route.png").stat().st_size > 1000
+
+
+def test_eval_frontier_reads_a_study_made_by_several_commands_whole(tmp_path):
+    """Given the study's OUT/loss directory, every finished run there counts (two grids, two
+    commands), unfinished ones (no eval_metrics.json) do not, and the base model's accuracy comes
+    from the task's data folder."""
+    from preft.eval import frontier
+
+    study = tmp_path / "loss"
+    for name, run in {"route-lora-r4-s0-aa": ("route", "lora", 4, 0.9), "route-lora_p-r64-s0-bb": ("route", "lora_p", 64, 0.5),
+                      "extract-lora_p-r4-s0-cc": ("extract", "lora_p", 4, 1.0)}.items():
+        (study / "runs" / name).mkdir(parents=True)
+        task, method, rank, accuracy = run
+        (study / "runs" / name / "eval_metrics.json").write_text(json.dumps(
+            {"task": task, "method": method, "rank": rank, "seed": 0, "accuracy": accuracy, "eval_loss": 0.1}))
+    (study / "runs" / "route-lora_p-r4-s0-dd").mkdir()  # interrupted: no metrics yet
+    (study / "data" / "route").mkdir(parents=True)
+    (study / "data" / "route" / "base_metrics.json").write_text(json.dumps({"accuracy": 0.25}))
+    serve = {"rows": [{"variant": "preft", "kind": "lora", "adapters": 64, "rank": 64, "vs_base": 0.8,
+                       "output_throughput": 80.0}]}
+    (tmp_path / "s64.json").write_text(json.dumps(serve))
+    result = frontier.main(loss=str(study), serve=str(tmp_path / "s64.json"), out=str(tmp_path))
+    assert sorted((p["task"], p["method"], p["rank"]) for p in result["points"]) == [
+        ("extract", "lora_p", 4), ("route", "lora", 4), ("route", "lora_p", 64)]
+    assert {p["rank"]: p["vs_base"] for p in result["points"] if p["task"] == "route"} == {4: None, 64: 0.8}
+    assert (tmp_path / "frontier" / "frontier_extract.png").is_file()
+    with pytest.raises(ValueError, match="no finished study-task run"):
+        (tmp_path / "empty" / "runs").mkdir(parents=True)
+        (tmp_path / "empty" / "data").mkdir()
+        frontier.main(loss=str(tmp_path / "empty"), serve=str(tmp_path / "s64.json"), out=str(tmp_path))
