@@ -235,7 +235,9 @@ def report(result: dict) -> str:
              f"Command: `{result['command']}`; vLLM {result['vllm']}, torch {result['torch']}; "
              f"{result['wall_time_s']:.0f} s in all. Random-init Llamas built from configs, random adapters.", ""]
     for part in result["parts"]:
-        outcome = result[part]
+        outcome = result.get(part)
+        if outcome is None:  # skipped, or not reached yet
+            continue
         if "error" in outcome:
             lines += [f"**{part}**: failed: `{outcome['error']}`", ""]
             continue
@@ -334,14 +336,17 @@ def main(parts: str = "parity,kernels,throughput", models: str = "0.5B,1B", thro
         return throughput("tiny" if tiny else throughput_model, root, counts, prompts, prompt_tokens, output_tokens,
                           rounds, variant_list, engine_extra)
 
-    run_parts(result, chosen, run_part, budget_s, started, "gpu")
+    run_parts(result, chosen, run_part, budget_s, started, "gpu",
+              save=lambda r: save_partial(root, "gpu", r, report(r)))
     return finish(result, chosen, root, "gpu", report(result), "gpu_check" if write_docs else None)
 
 
-def run_parts(result: dict, parts: list[str], run_part, budget_s: float, started: float, label: str) -> None:
+def run_parts(result: dict, parts: list[str], run_part, budget_s: float, started: float, label: str,
+              save=None) -> None:
     """``result[part] = run_part(part)`` for each part in turn, a failure recorded (the other parts
     still run), a part not started once ``budget_s`` is spent recorded as skipped; then the wall
-    time and whether every part that ran passed."""
+    time and whether every part that ran passed. ``save(result)`` after each part: a lent machine
+    taken back mid-run keeps the parts that finished."""
     for part in parts:
         elapsed = time.time() - started
         if elapsed > budget_s:
@@ -353,16 +358,26 @@ def run_parts(result: dict, parts: list[str], run_part, budget_s: float, started
         except Exception as err:  # noqa: BLE001 - one part's failure is recorded; the others still run
             result[part] = {"passed": False, "error": f"{type(err).__name__}: {err}",
                             "traceback": traceback.format_exc()[-4000:]}
+        if save is not None:
+            result["wall_time_s"] = round(time.time() - started, 1)
+            save(result)
     result["wall_time_s"] = round(time.time() - started, 1)
     result["passed"] = all(result[p]["passed"] for p in parts if p in result)
+
+
+def save_partial(root: Path, name: str, result: dict, markdown: str) -> None:
+    """``root/results.json`` and ``root/NAME.md`` of the parts finished so far."""
+    from preft.eval.results import save_run
+
+    save_run(root, name, result, markdown + "\n")
 
 
 def finish(result: dict, parts: list[str], root: Path, name: str, markdown: str, docs_name: str | None) -> dict:
     """Write ``root/results.json`` and ``root/NAME.md`` (and the docs section ``docs_name``), then
     fail with one line naming the failed parts."""
-    from preft.eval.results import save_run, write_result
+    from preft.eval.results import write_result
 
-    save_run(root, name, result, markdown + "\n")
+    save_partial(root, name, result, markdown)
     if docs_name:
         write_result(docs_name, result, markdown)
     if not result["passed"]:

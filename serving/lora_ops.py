@@ -94,11 +94,13 @@ class Workspace:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def get(self, name: str, *shape: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``shape`` view of buffer ``name``, on ``like``'s device and in its dtype (what the
+        ``out=`` of an op on ``like`` must be)."""
         size = math.prod(shape)
         buffer = self.buffers.get(name)
-        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
-            buffer = self.buffers[name] = torch.empty(size, dtype=dtype)
+        if buffer is None or buffer.numel() < size or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = self.buffers[name] = torch.empty(size, dtype=like.dtype, device=like.device)
         return buffer[:size].view(shape)
 
 
@@ -131,17 +133,19 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
     space = workspace or Workspace()
     num_tiles, tile_rows, size_in = plan.tile_slots.numel(), plan.tile_rows, x.shape[-1]
     width = weights.a_t.shape[-1]
-    tiles = torch.index_select(x, 0, plan.gather, out=space.get("tiles", num_tiles * tile_rows, size_in))
-    a_t = torch.index_select(weights.a_t, 0, plan.tile_slots, out=space.get("a_t", num_tiles, size_in, width))
+    tiles = torch.index_select(x, 0, plan.gather, out=space.get("tiles", num_tiles * tile_rows, size_in, like=x))
+    a_t = torch.index_select(weights.a_t, 0, plan.tile_slots,
+                             out=space.get("a_t", num_tiles, size_in, width, like=weights.a_t))
     shrunk = torch.bmm(tiles.view(num_tiles, tile_rows, size_in), a_t,
-                       out=space.get("shrunk", num_tiles, tile_rows, width)).mul_(scale)
+                       out=space.get("shrunk", num_tiles, tile_rows, width, like=weights.a_t)).mul_(scale)
     for j, b_t in enumerate(weights.b_t):
         size = b_t.shape[2]
-        b_tiles = torch.index_select(b_t, 0, plan.tile_slots, out=space.get("b_t", num_tiles, rank, size))
+        b_tiles = torch.index_select(b_t, 0, plan.tile_slots, out=space.get("b_t", num_tiles, rank, size, like=b_t))
         expanded = torch.bmm(shrunk[..., j * rank: (j + 1) * rank], b_tiles,
-                             out=space.get("expanded", num_tiles, tile_rows, size))
+                             out=space.get("expanded", num_tiles, tile_rows, size, like=b_t))
         expanded[-1].zero_()  # the trailing tile, read by the rows without an adapter: exact zeros
-        rows = torch.index_select(expanded.view(-1, size), 0, plan.untile, out=space.get("rows", plan.num_rows, size))
+        rows = torch.index_select(expanded.view(-1, size), 0, plan.untile,
+                                  out=space.get("rows", plan.num_rows, size, like=b_t))
         y[:, offset: offset + size].add_(rows.to(y.dtype))
         offset += size
 

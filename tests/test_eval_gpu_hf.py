@@ -82,3 +82,34 @@ def test_a_vllm_argument_with_the_hf_engine_is_refused(tmp_path):
         gpu.main(engine="hf", prompt_tokens=64, allow_cpu=True, tiny=True, out=str(tmp_path))
     with pytest.raises(ValueError, match="--engine 'sglang'"):
         gpu.main(engine="sglang")
+
+
+def test_a_check_stopped_mid_run_keeps_the_parts_that_finished(tmp_path):
+    """A lent machine is taken back when its time is spent: the parts done by then are on disk."""
+    from preft.eval import gpu
+
+    def run_part(part):
+        if part == "second":
+            raise KeyboardInterrupt  # the machine going away, not a failure the check records
+        return {"passed": True, "value": 1}
+
+    result = {"parts": ["first", "second"], "skipped": {}}
+    root = tmp_path / "check"
+    with pytest.raises(KeyboardInterrupt):
+        gpu.run_parts(result, ["first", "second"], run_part, 100.0, __import__("time").time(), "test",
+                      save=lambda r: gpu.save_partial(root, "check", r, f"first: {r['first']['value']}"))
+    saved = json.loads((root / "results.json").read_text())
+    assert saved["first"] == {"passed": True, "value": 1} and "second" not in saved
+    assert (root / "check.md").read_text().strip() == "first: 1"
+
+
+def test_hf_generate_skips_the_models_it_has_no_time_left_for():
+    import time
+
+    from preft.eval import gpu_hf
+
+    outcome = gpu_hf.hf_generate(["0.5B", "1B"], "1,64", 64, 32, 2, deadline=time.time() - 1)
+    assert outcome == {"runs": [], "skipped_models": ["0.5B", "1B"], "passed": True}
+    assert "0.5B, 1B not run" in gpu_hf.report({"device": "x", "command": "c", "torch": "t", "triton": "t",
+                                                 "wall_time_s": 1.0, "parts": ["hf-generate"],
+                                                 "hf-generate": outcome})

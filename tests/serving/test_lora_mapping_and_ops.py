@@ -173,3 +173,16 @@ def test_tile_size_keeps_padding_small(group_rows, tile_rows):
     assert plan.tile_rows == tile_rows
     tiles = sum(-(-rows // tile_rows) for rows in group_rows) + 1  # + the trailing tile
     assert plan.tile_slots.numel() == tiles
+
+
+def test_workspace_buffers_follow_the_tensor_they_serve():
+    """The planned ops write into ``out=`` buffers: a buffer on another device or in another dtype
+    than the op's operand fails the op on a GPU (index_select out= on the CPU, inputs on CUDA).
+    The meta device stands in for a second device on a CPU-only machine."""
+    space = lora_ops.Workspace()
+    on_cpu = space.get("tiles", 4, 3, like=torch.zeros(1, dtype=torch.float32))
+    assert on_cpu.device.type == "cpu" and on_cpu.dtype == torch.float32 and on_cpu.shape == (4, 3)
+    elsewhere = space.get("tiles", 4, 3, like=torch.empty(1, dtype=torch.bfloat16, device="meta"))
+    assert elsewhere.device.type == "meta" and elsewhere.dtype == torch.bfloat16
+    smaller = space.get("tiles", 2, 3, like=torch.empty(1, dtype=torch.bfloat16, device="meta"))
+    assert smaller.shape == (2, 3) and smaller.device.type == "meta"  # reused, still where it was asked for
