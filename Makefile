@@ -16,7 +16,7 @@ else
   EXTRA := cpu
 endif
 
-.PHONY: install models demo test test-real test-families bench eval gpu-check gpu-check-hf base-model clean
+.PHONY: install models demo test test-real test-families bench eval docs gpu-check gpu-check-hf base-model clean
 
 install: $(STAMP)
 
@@ -82,10 +82,15 @@ eval: install
 gpu-check: install
 	$(BIN)/preft eval gpu --out runs/gpu_check --write-docs
 
-# The GPU check for a machine with torch, Triton, transformers and PEFT but no vLLM or TRL (about 6
-# minutes on one GPU): nothing installed, the tree on PYTHONPATH, the machine's own python3. The
-# Triton kernels at Llama-3.1-8B shapes, the roofline's calibration, HF mixed-adapter generation
-# (PreFT vs PEFT's all-token LoRA vs base, 0.5B and 1B, N = 1/64/512). Exits 2 without a GPU.
+# The docs as a site (MkDocs): runs/site/index.html. make test checks that it builds (tests/test_docs.py).
+docs: install
+	$(BIN)/mkdocs build --strict
+
+# The GPU check for a machine with torch, Triton, transformers and PEFT but no vLLM or TRL: nothing
+# installed, the tree on PYTHONPATH, the machine's own python3. The Triton kernels at Llama-3.1-8B
+# shapes, the roofline's calibration (about 15 s on an H200), HF mixed-adapter generation (PreFT vs
+# PEFT's all-token LoRA vs base, 0.5B and 1B, N = 1/64; a model not started within 420 s is
+# skipped). Each part is written as it finishes. Exits 2 without a GPU.
 gpu-check-hf:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m preft eval gpu --engine hf --out runs/gpu_check --write-docs
 

@@ -66,6 +66,8 @@ def apply_override(config: dict[str, Any], override: str) -> None:
         raise RecipeConfigError(f"override {override!r} is not of the form key=value")
     dotted, raw = override.split("=", 1)
     keys = dotted.strip().split(".")
+    if keys == ["data", "path"] or (keys == ["data", "task"] and raw.strip() == "local"):
+        _switch_to_own_data(config)
     node = config
     for depth, key in enumerate(keys):
         if not isinstance(node, dict) or key not in node:
@@ -80,6 +82,15 @@ def apply_override(config: dict[str, Any], override: str) -> None:
         node[keys[-1]] = yaml.load(raw, Loader=_OverrideLoader) if raw.strip() else None
     except yaml.YAMLError:
         raise RecipeConfigError(f"override {override!r}: the value is not valid YAML") from None
+
+
+def _switch_to_own_data(config: dict[str, Any]) -> None:
+    """``data.path=FILE`` (or ``data.task=local``) on a recipe whose data is a generated task: the
+    data section becomes the user's own (``task: local``), keeping its ``eval_examples``; the
+    generated task's other keys (``user``, ``train_examples``) go with it."""
+    data = config.get("data")
+    if isinstance(data, dict) and data.get("task") != "local":
+        config["data"] = {"task": "local", "path": None, "eval_examples": data.get("eval_examples", 64)}
 
 
 def _accepts(annotation: Any, value: Any) -> bool:

@@ -63,7 +63,7 @@ def test_config_overrides_are_typed_and_checked(tmp_path):
 def test_every_config_opens_with_its_command():
     for path in (REPO / "recipes" / "configs").glob("*.yaml"):
         first = path.read_text().splitlines()[0]
-        assert first == f"# preft train recipes/configs/{path.name}", path
+        assert first.split(" data.")[0] == f"# preft train recipes/configs/{path.name}", path
 
 
 def test_cli_help_lists_the_subcommands():
@@ -99,3 +99,15 @@ def test_pretrain_recipe_tiny_run(tmp_path):
     ids = tokenizer("add 1 2 =")["input_ids"]
     assert ids[0] == tokenizer.bos_token_id
     assert tokenizer.decode(ids, skip_special_tokens=True) == "add 1 2 ="
+
+
+def test_data_path_switches_a_generated_task_to_the_users_data():
+    sft = REPO / "recipes" / "configs" / "sft_lora_p.yaml"
+    config = load_config(sft, ["data.path=mine.jsonl"])
+    assert config["data"] == {"task": "local", "path": "mine.jsonl", "eval_examples": 128}
+    assert load_config(sft, ["data.task=local", "data.path=a.jsonl", "data.eval_examples=8"])["data"] == {
+        "task": "local", "path": "a.jsonl", "eval_examples": 8}
+    own = load_config(REPO / "recipes" / "configs" / "sft_own_data.yaml", ["data.path=b.jsonl"])
+    assert own["data"] == {"task": "local", "path": "b.jsonl", "eval_examples": 16}
+    with pytest.raises(RecipeConfigError, match="unknown recipe key 'data.user'"):
+        load_config(sft, ["data.path=mine.jsonl", "data.user=3"])  # the generated task's keys went with it

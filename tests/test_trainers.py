@@ -192,3 +192,18 @@ def test_conversational_dataset_prompt_length_is_the_templated_prompt(tmp_path):
         assert prompt_text.endswith("assistant:") and prompt_text.count("user: rewrite") == 1, prompt_text
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+@pytest.mark.slow
+def test_data_path_trains_the_shipped_recipe_on_the_users_own_rows(tmp_path):
+    """``data.path=FILE`` on a recipe made for a generated task switches it to the user's rows."""
+    rows = tmp_path / "mine.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {i} twice:", "completion": f" {i} {i}"}) + "\n"
+                            for i in range(24)))
+    out = tmp_path / "run"
+    assert cli_main(["train", str(CONFIGS / "sft_lora_p.yaml"), f"output_dir={out}", f"data.path={rows}",
+                     "data.eval_examples=4", "trainer.max_steps=2", "trainer.per_device_train_batch_size=4",
+                     "trainer.report_to=none", "trainer.save_strategy=no", "trainer.eval_strategy=no"]) == 0
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["config"]["data"] == {"task": "local", "path": str(rows),
+                                                                   "eval_examples": 4}
