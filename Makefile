@@ -94,7 +94,7 @@ docs: install
 gpu-check-hf:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m preft eval gpu --engine hf --out runs/gpu_check --write-docs
 
-# Rebuild the embedded default base model (about 15 minutes on 2 CPU cores).
+# Rebuild the embedded default base model (about 19 minutes on 2 CPU cores; RESULTS: 1,116 s).
 base-model: install
 	$(BIN)/preft train recipes/configs/pretrain_base.yaml overwrite_output_dir=true
 

@@ -52,7 +52,7 @@ from preft.eval.results import save_run
 PAPER = {"adapters": "LoRA-P 1.87x, ReFT-P 1.9x all-token at 512 adapters (Llama-3.1-70B); LoRA-P 1.83x (8B)",
          "sloweave": "+39% (mixed) / +38% (long) goodput at 25 ms TPOT; 3.3x / 2.4x at 10 ms",
          "feather": "2-10x FCFS with shared prefixes, no worse without",
-         "wavepp": ">= 1.2x the best fixed chunk's TTFT at S = 4 (the goal this project set from the paper)"}
+         "wavepp": ">= 1.2x the best fixed chunk's TTFT at S = 4 (a bar set here, not a figure of the paper)"}
 #: GPU memory for the Feather part's prefix cache (data sheets: A100 80 or 40 GB, L4 24 GB, H100 80 GB, H200 141 GB)
 FEATHER_MEMORY = {"A100": 80e9, "A100-40GB": 40e9, "L4": 24e9, "H100": 80e9, "H200": 141e9, "H200-measured": 141e9}
 FIXED = ("default", "fixed:256", "fixed:512", "fixed:1024", "fixed:2048")
@@ -356,7 +356,7 @@ def markdown(result: dict) -> str:
 
 def published_markdown(rows: list[dict]) -> list[str]:
     lines = ["**The roofline against published step times** (vLLM `bench serve` sweeps, closed loop, bf16; the time per "
-             "output token at a fixed concurrency; goal: within 25%):\n",
+             "output token at a fixed concurrency; a fit is within 25%):\n",
              "| model | GPU | decodes | measured | roofline | error | source |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['hardware']} | {r['decodes']} | {r['measured_ms']:.2f} ms | "

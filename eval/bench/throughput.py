@@ -184,7 +184,7 @@ def plot(summary: dict, counts: list[str], path: Path, title: str) -> None:
         left.plot(x, [values["tokens_per_s"][c] for c in counts], marker="o", label=name, color=colors[name])
         if name != "base":
             right.plot(x, [values["vs_base"][c] for c in counts], marker="o", label=name, color=colors[name])
-    right.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="goal 0.95x")
+    right.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="0.95x the base model")
     for axis, label in ((left, "output tokens/s (median)"), (right, "vs base (median of per-round ratios)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("adapters in the batch (N)")

@@ -17,7 +17,7 @@ prompt. Every chunk but the last then takes ``τ`` (to one token), and with ``k`
 least predicted TTFT: a few more chunks shrink the ``(S − 1) · τ`` fill, each costs a step's
 fixed time.
 
-``t`` is :class:`StageCost`: the step cost model of Scheduling I
+``t`` is :class:`StageCost`: the step cost model (:mod:`preft.serving.scheduling.cost_model`)
 (:class:`~preft.serving.scheduling.cost_model.StepCostModel`, ``T(n, c, x)``) with no decodes,
 divided over the stages (each holds ``1/S`` of the layers), plus a per-stage hand-off.
 :class:`WavePP` is the chunk policy the engine and the pipeline simulator ask per request:
