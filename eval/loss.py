@@ -196,10 +196,12 @@ def plot(results: list[dict[str, Any]], methods: list[str], ranks: list[int], pa
     with_accuracy = any(r.get("accuracy") is not None for r in results)
     fig, axes = plt.subplots(1, 2 if with_accuracy else 1, figsize=(11 if with_accuracy else 6.4, 4.2), squeeze=False)
     for ax, key, label in zip(axes[0], ("eval_loss", "accuracy"), ("held-out loss", "held-out task accuracy")):
-        for method in methods:
-            means = [statistics.mean(r[key] for r in results if r["method"] == method and r["rank"] == rank)
-                     for rank in ranks]
-            ax.plot(ranks, means, marker="o", label=LABELS[method], linestyle="--" if method == "lora" else "-")
+        for method in methods:  # a study made by several commands may lack some (method, rank) cells
+            cells = {rank: [r[key] for r in results if r["method"] == method and r["rank"] == rank] for rank in ranks}
+            present = [rank for rank in ranks if cells[rank]]
+            if present:
+                ax.plot(present, [statistics.mean(cells[rank]) for rank in present], marker="o",
+                        label=LABELS[method], linestyle="--" if method == "lora" else "-")
         if key == "accuracy" and base is not None:
             ax.axhline(base["accuracy"], color="grey", linestyle=":", label="base model")
         ax.set_xscale("log", base=2)

@@ -241,3 +241,16 @@ def test_eval_frontier_reads_a_study_made_by_several_commands_whole(tmp_path):
         (tmp_path / "empty" / "runs").mkdir(parents=True)
         (tmp_path / "empty" / "data").mkdir()
         frontier.main(loss=str(tmp_path / "empty"), serve=str(tmp_path / "s64.json"), out=str(tmp_path))
+
+
+def test_loss_plot_draws_a_study_with_missing_cells(tmp_path):
+    """A study made by several commands lacks some (method, rank) cells: each method is drawn at
+    the ranks it has."""
+    from preft.eval.loss import plot
+
+    runs = [{"method": "lora", "rank": 4, "eval_loss": 0.1, "accuracy": 0.9},
+            {"method": "lora", "rank": 16, "eval_loss": 0.05, "accuracy": 1.0},
+            {"method": "lora_p", "rank": 16, "eval_loss": 0.07, "accuracy": 1.0}]
+    path = tmp_path / "loss_vs_rank.png"
+    plot(runs, ["lora", "lora_p", "loreft_p"], [4, 16], path, "partial grid", {"accuracy": 0.0})
+    assert path.stat().st_size > 1000
