@@ -7,8 +7,10 @@ produced it.
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import json
+import os
 import platform
 import re
 import sys
@@ -28,12 +30,14 @@ def write_result(name: str, result: dict[str, Any], markdown: str, docs_dir: Pat
     results_md = docs / "RESULTS.md"
     text = results_md.read_text() if results_md.exists() else "# Measured results\n"
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    block = f"{start}\n{markdown.strip()}\n{end}"
+    block = f"{start}\n{markdown.strip()}\n\nPublished {datetime.date.today().isoformat()}.\n{end}"
     if start in text and end in text:
         text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    results_md.write_text(text)
+    temp = results_md.with_name(f".{results_md.name}.{os.getpid()}.tmp")  # a reader never sees half a file
+    temp.write_text(text)
+    os.replace(temp, results_md)
     return json_path
 
 

@@ -254,3 +254,18 @@ def test_loss_plot_draws_a_study_with_missing_cells(tmp_path):
     path = tmp_path / "loss_vs_rank.png"
     plot(runs, ["lora", "lora_p", "loreft_p"], [4, 16], path, "partial grid", {"accuracy": 0.0})
     assert path.stat().st_size > 1000
+
+
+def test_a_published_section_carries_its_date_and_replaces_the_previous_one(tmp_path):
+    import datetime
+
+    from preft.eval.results import write_result
+
+    (tmp_path / "RESULTS.md").write_text("# Measured results\n\n## Kept\n\nhand-written\n")
+    write_result("demo_bench", {"x": 1}, "## Demo bench\n\nfirst figures", docs_dir=tmp_path)
+    write_result("demo_bench", {"x": 2}, "## Demo bench\n\nsecond figures", docs_dir=tmp_path)
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "hand-written" in text and "first figures" not in text and text.count("## Demo bench") == 1
+    assert f"second figures\n\nPublished {datetime.date.today().isoformat()}.\n<!-- /bench:demo_bench -->" in text
+    assert json.loads((tmp_path / "results" / "demo_bench.json").read_text()) == {"x": 2}
+    assert not list(tmp_path.glob(".*.tmp"))
