@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from preft.eval.loss import LABELS
+from preft.eval.loss import LABELS, study
 from preft.eval.report import SERVED_AS  # method -> (adapter kind, variant) of `preft eval serve`'s rows
 from preft.eval.results import save_run
 
@@ -33,29 +33,12 @@ from preft.eval.results import save_run
 def _read(path: str) -> dict[str, Any]:
     file = Path(path)
     if file.is_dir() and (file / "runs").is_dir() and (file / "data").is_dir():
-        return _study(file)
+        return study(file)
     if file.is_dir():
         file = file / "results.json"
     if not file.is_file():
         raise ValueError(f"no results file at {path} (give a results.json or the directory holding it)")
     return json.loads(file.read_text())
-
-
-def _study(loss_dir: Path) -> dict[str, Any]:
-    """Every finished cell of a ``preft eval loss --tasks`` study directory (``OUT/loss``), however
-    many commands made them: a study run in parts (a grid at a time) is read whole."""
-    runs = []
-    for metrics in sorted(loss_dir.glob("runs/*/eval_metrics.json")):
-        run = json.loads(metrics.read_text())
-        if run.get("task") and run.get("accuracy") is not None:
-            runs.append(run)
-    if not runs:
-        raise ValueError(f"{loss_dir}: no finished study-task run under runs/ (make them with preft eval loss --tasks ...)")
-    tasks = list(dict.fromkeys(run["task"] for run in runs))
-    base = {task: json.loads((loss_dir / "data" / task / "base_metrics.json").read_text())
-            for task in tasks if (loss_dir / "data" / task / "base_metrics.json").is_file()}
-    return {"tasks": tasks, "runs": runs, "base": base,
-            "command": f"every finished run of preft eval loss --tasks under {loss_dir}"}
 
 
 def throughputs(serve_results: list[dict[str, Any]], adapters: int) -> dict[tuple[str, int], dict[str, float]]:

@@ -27,8 +27,10 @@ steps), about 8 minutes on 2 cores.
 
 Writes ``OUT/loss/results.json``, ``OUT/loss/loss.md`` (tables: loss and accuracy by method and
 rank, mean over seeds; loss by answer position) and ``loss_vs_rank.png`` (per task:
-``loss_vs_rank_TASK.png``, loss and accuracy panels with the base model's accuracy). Bad data
-fails before any training, in one line (:mod:`preft.user_data`).
+``loss_vs_rank_TASK.png``, loss and accuracy panels with the base model's accuracy). With
+``--tasks`` the tables and figures cover every finished cell under ``OUT/loss`` (:func:`study`),
+so a study run a grid at a time is reported whole by its last command. Bad data fails before any
+training, in one line (:mod:`preft.user_data`).
 """
 
 from __future__ import annotations
@@ -156,10 +158,29 @@ def one_run(method: str, rank: int, seed: int, args: dict[str, Any], runs: Path,
     return metrics
 
 
+def study(loss_dir: Path) -> dict[str, Any]:
+    """Every finished cell of a ``preft eval loss --tasks`` study directory (``OUT/loss``), however
+    many commands made them: a study run in parts (a grid at a time) is read whole."""
+    runs = []
+    for metrics in sorted(loss_dir.glob("runs/*/eval_metrics.json")):
+        run = json.loads(metrics.read_text())
+        if run.get("task") and run.get("accuracy") is not None:
+            runs.append(run)
+    if not runs:
+        raise ValueError(f"{loss_dir}: no finished study-task run under runs/ (make them with preft eval loss --tasks ...)")
+    tasks = list(dict.fromkeys(run["task"] for run in runs))
+    base = {task: json.loads((loss_dir / "data" / task / "base_metrics.json").read_text())
+            for task in tasks if (loss_dir / "data" / task / "base_metrics.json").is_file()}
+    return {"tasks": tasks, "runs": runs, "base": base,
+            "command": f"every finished run of preft eval loss --tasks under {loss_dir}"}
+
+
 def table(results: list[dict[str, Any]], methods: list[str], ranks: list[int]) -> str:
     """Markdown: held-out loss (and exact match) by method and rank, mean over seeds."""
     def cell(method, rank):
         runs = [r for r in results if r["method"] == method and r["rank"] == rank]
+        if not runs:  # a study made by several commands may lack this cell
+            return ""
         loss = statistics.mean(r["eval_loss"] for r in runs)
         text = f"{loss:.3f}" + (f" (±{statistics.stdev(r['eval_loss'] for r in runs):.3f})" if len(runs) > 1 else "")
         if runs and runs[0].get("accuracy") is not None:
@@ -168,7 +189,8 @@ def table(results: list[dict[str, Any]], methods: list[str], ranks: list[int]) -
         return text + (f", EM {statistics.mean(matches):.0%}" if matches else "")
 
     lines = ["| method | " + " | ".join(f"r={r}" for r in ranks) + " |", "|---|" + "---|" * len(ranks)]
-    lines += [f"| {LABELS[m]} | " + " | ".join(cell(m, r) for r in ranks) + " |" for m in methods]
+    lines += [f"| {LABELS[m]} | " + " | ".join(cell(m, r) for r in ranks) + " |" for m in methods
+              if any(r["method"] == m for r in results)]
     return "\n".join(lines)
 
 
@@ -339,19 +361,24 @@ def main(model: str = "default", data: str | None = None, tasks: str | None = No
         result.update(train_rows=sizes[None][0], held_out_rows=sizes[None][1])
     loss_dir.mkdir(parents=True, exist_ok=True)
     figures, sections = [], []
+    # a study task's tables and figure cover every finished cell under OUT/loss, made by this command
+    # or an earlier one (a study is run a grid at a time); --data reports this command's grid
+    finished = study(loss_dir)["runs"] if tasks else results
     for task_name in task_list:
-        runs = [r for r in results if r.get("task") == task_name]
+        runs = [r for r in finished if r.get("task") == task_name]
+        methods = [m for m in METHODS if any(r["method"] == m for r in runs)] if tasks else method_list
+        ranks = sorted({r["rank"] for r in runs}) if tasks else rank_list
         label = task_name or (Path(data).name if data else "synthetic task")
         figure = loss_dir / (f"loss_vs_rank_{task_name}.png" if task_name else "loss_vs_rank.png")
-        plot(runs, method_list, rank_list, figure, f"held-out loss by rank: {Path(model_path).name}, {label}",
+        plot(runs, methods, ranks, figure, f"held-out loss by rank: {Path(model_path).name}, {label}",
              bases.get(task_name))
         figures.append(figure)
         rows = sizes[task_name]
         base = (f" Base model: accuracy {bases[task_name]['accuracy']:.0%}." if task_name else "")
         sections.append(f"### {label}\n\n{rows[0]} training rows, {rows[1]} held out; {steps} steps per run, "
-                        f"seeds {seed_list}.{base}\n\n{table(runs, method_list, rank_list)}\n")
+                        f"seeds {sorted({r['seed'] for r in runs})}.{base}\n\n{table(runs, methods, ranks)}\n")
         if task_name:
-            sections.append(position_table(runs, method_list, rank_list) + "\n")
+            sections.append(position_table(runs, methods, ranks) + "\n")
     markdown = (f"## Held-out loss by rank\n\nCommand: `{result['command']}`. "
                 + ("" if tasks else f"Data: {source}. ") + "\n\n" + "\n".join(sections))
     save_run(loss_dir, "loss", result, markdown, also=tuple(figures))

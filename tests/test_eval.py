@@ -269,3 +269,14 @@ def test_a_published_section_carries_its_date_and_replaces_the_previous_one(tmp_
     assert f"second figures\n\nPublished {datetime.date.today().isoformat()}.\n<!-- /bench:demo_bench -->" in text
     assert json.loads((tmp_path / "results" / "demo_bench.json").read_text()) == {"x": 2}
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_loss_table_leaves_a_missing_cell_empty_and_a_method_without_cells_out():
+    from preft.eval.loss import table
+
+    runs = [{"method": "lora", "rank": 4, "eval_loss": 0.1, "accuracy": 0.9},
+            {"method": "lora_p", "rank": 16, "eval_loss": 0.2, "accuracy": 0.5},
+            {"method": "lora_p", "rank": 16, "eval_loss": 0.4, "accuracy": 1.0}]
+    lines = table(runs, ["lora", "lora_p", "loreft_p"], [4, 16]).splitlines()
+    assert lines[2] == "| LoRA (all tokens) | 0.100, acc 90% |  |"
+    assert lines[3] == "| LoRA-P |  | 0.300 (±0.141), acc 75% |" and len(lines) == 4

@@ -86,6 +86,8 @@ def test_a_vllm_argument_with_the_hf_engine_is_refused(tmp_path):
 
 def test_a_check_stopped_mid_run_keeps_the_parts_that_finished(tmp_path):
     """A lent machine is taken back when its time is spent: the parts done by then are on disk."""
+    import time
+
     from preft.eval import gpu
 
     def run_part(part):
@@ -96,7 +98,7 @@ def test_a_check_stopped_mid_run_keeps_the_parts_that_finished(tmp_path):
     result = {"parts": ["first", "second"], "skipped": {}}
     root = tmp_path / "check"
     with pytest.raises(KeyboardInterrupt):
-        gpu.run_parts(result, ["first", "second"], run_part, 100.0, __import__("time").time(), "test",
+        gpu.run_parts(result, ["first", "second"], run_part, 100.0, time.time(), "test",
                       save=lambda r: gpu.save_partial(root, "check", r, f"first: {r['first']['value']}"))
     saved = json.loads((root / "results.json").read_text())
     assert saved["first"] == {"passed": True, "value": 1} and "second" not in saved
