@@ -127,8 +127,8 @@ def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str,
     adapters = adapters or {}
     if adapters:
         policy_args = [*policy_args, "--max-adapters", str(slots or len(adapters)), "--max-rank", "16",
+                       "--max-host-adapters", str(len(adapters)),
                        *[a for name, bundle in adapters.items() for a in ("--adapter", f"{name}={bundle}")]]
-        vllm_extra = (*vllm_extra, "--max-cpu-loras", str(len(adapters)))
     from preft.serving.scheduling.metrics import RequestTiming
     from preft.eval.harness.server_process import start_server, stop_server
 

@@ -143,13 +143,14 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     label = (f"{kind}-{variant}" if kind else "base") + (f"-{scheduler}" if scheduler != "default" else "")
-    # every adapter stays in host memory (vLLM's --max-cpu-loras; --host-adapters: that many) while
-    # only `slots` of them are in the engine at once: the regime of a GPU whose memory holds a few
-    # adapters' weights
-    host = ["--max-cpu-loras", str(max(slots, settings["host_adapters"] or len(bundles)))] if bundles else []
+    # every adapter stays in host memory (preft serve --max-host-adapters, vLLM's --max-cpu-loras;
+    # --host-adapters: that many) while only `slots` of them are in the engine at once: the regime
+    # of a GPU whose memory holds a few adapters' weights
+    if bundles:
+        args += ["--max-host-adapters", str(max(slots, settings["host_adapters"] or len(bundles)))]
     step_trace = logs / f"slots-{label}.trace"
     step_trace.unlink(missing_ok=True)
-    proc, url, ready_s = start_server([*args, "--", "--max-num-seqs", str(settings["max_num_seqs"]), *host],
+    proc, url, ready_s = start_server([*args, "--", "--max-num-seqs", str(settings["max_num_seqs"])],
                                       logs / f"server-{label}.log", env={"PREFT_TRACE_SCHEDULER": str(step_trace)})
     from preft.real_models import resolve, served_name as short_name
 

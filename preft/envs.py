@@ -53,6 +53,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "PREFT_SERVE_ADAPTER_ROOT": (lambda: os.environ.get("PREFT_SERVE_ADAPTER_ROOT") or None,
                                  "set by `preft serve --allow-runtime-loading --adapter-root DIR`: runtime loads are "
                                  "allowed, from bundles under DIR only (unset: no runtime loading)"),
+    "PREFT_SERVE_RESOLVE": (lambda: os.environ.get("PREFT_SERVE_RESOLVE") == "1",
+                            "1: a request naming an adapter that is not loaded but is a bundle under "
+                            "PREFT_SERVE_ADAPTER_ROOT loads it (set by `preft serve --resolve-adapters`)"),
+    "PREFT_METRICS_TOP_K": (lambda: int(os.environ.get("PREFT_METRICS_TOP_K") or 20),
+                            "adapters with their own `adapter` label on /metrics, by finished requests; the rest "
+                            "are summed under `_other` (set by `preft serve --metrics-top-adapters`; default 20)"),
     "PREFT_SERVE_STORE": (lambda: os.environ.get("PREFT_SERVE_STORE") or None,
                           "set by `preft serve`: the directory of the server's checked copies of its bundles"),
     "PREFT_SERVE_STORE_OWNER_PID": (lambda: int(os.environ.get("PREFT_SERVE_STORE_OWNER_PID") or 0) or None,

@@ -14,6 +14,10 @@
    vLLM let it through to "max_tokens must be at least 1, got 0" even with ``max_tokens=1``;
    it is now the same context-length 400 as a prompt one token longer, saying how long a
    prompt may be.
+5. ``/metrics`` gains the per-adapter figures and the adapter caches' loads
+   (:mod:`preft.serving.adapter_metrics`), fed by vLLM's output processor.
+6. With ``--resolve-adapters``: a request naming a bundle under ``--adapter-root`` that is not
+   loaded loads it (:mod:`preft.serving.adapter_resolver`; LoRA through vLLM's resolver registry).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from http import HTTPStatus
 
 from preft import envs
 from preft.bundle import BundleError
-from preft.serving import reft_routing
+from preft.serving import adapter_metrics, adapter_resolver, reft_routing
 from preft.serving.patching import require, wrap
 
 logger = logging.getLogger(__name__)
@@ -138,8 +142,26 @@ def remove_temporary_store_at_exit() -> None:
         atexit.register(shutil.rmtree, envs.PREFT_SERVE_STORE, True)
 
 
+def adapter_of_request(request) -> str:
+    """The adapter a request to the engine is for, as the client named it: its LoRA's name, the
+    ReFT-P name of the bundle in its extra arguments, or the base model's name."""
+    from preft.constants import REFT_EXTRA_ARG
+
+    if request.lora_request is not None:
+        return request.lora_request.lora_name
+    bundle = (getattr(request.sampling_params, "extra_args", None) or {}).get(REFT_EXTRA_ARG)
+    if bundle:  # the name this request's handler was routed under, else a name serving that copy
+        named = reft_routing.REQUESTED_REFT_NAME.get()
+        return named if reft_routing.REFT_ADAPTERS.get(named) == bundle else (
+            reft_routing.name_of_copy(bundle) or adapter_metrics.UNKNOWN)
+    return envs.PREFT_SERVE_BASE_NAME or "base"
+
+
 def patch() -> None:
     remove_temporary_store_at_exit()
+    adapter_metrics.install(envs.PREFT_METRICS_TOP_K, adapter_of_request)
+    if adapter_resolver.resolving():
+        adapter_resolver.patch()
     patch_load_checks()
     patch_reft_routing()
     patch_model_list()

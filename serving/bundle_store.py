@@ -132,6 +132,19 @@ def _digest(directory: Path, files: tuple[str, ...]) -> str:
     return digest.hexdigest()
 
 
+def _file_states(directory: Path, files: tuple[str, ...]) -> list[tuple[int, int, int]]:
+    """Each file's (inode, size, modification time in ns): a rewrite or a replacement changes one."""
+    states = []
+    for name in files:
+        try:
+            stat = (directory / name).stat()
+        except OSError:
+            states.append((0, -1, 0))
+            continue
+        states.append((stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    return states
+
+
 def _intact(copy: Path, files: tuple[str, ...], digest: str) -> bool:
     """Whether the store copy ``copy`` still holds exactly the files its name (``digest``) says."""
     try:
@@ -162,10 +175,16 @@ class BundleStore:
             raise BundleError(f"adapter {name!r}: unknown bundle kind {kind!r}")
         staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=self.root))
         try:
-            for file in (MANIFEST, *BUNDLE_FILES[kind]):
+            files = (MANIFEST, *BUNDLE_FILES[kind])
+            for file in files:
                 if not (source / file).is_file():
                     raise BundleError(f"adapter {name!r}: the bundle has no {file}")
+            before = _file_states(source, files)
+            for file in files:
                 shutil.copyfile(source / file, staging / file)
+            if _file_states(source, files) != before:  # a copy mixing two versions of the bundle is never served
+                raise BundleError(f"adapter {name!r}: the bundle changed while it was being read; load it again "
+                                  "once it is written")
             manifest = check_bundle(name, staging, self.base, self.max_rank)  # what is served is what is checked
             if manifest.get("kind") != kind:
                 raise BundleError(f"adapter {name!r}: the bundle changed while it was being read")

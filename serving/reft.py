@@ -23,6 +23,7 @@ on by the bundle (:mod:`preft.serving.engine_core`); blocks before it are base-m
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -35,6 +36,7 @@ from preft.constants import REFT_EXTRA_ARG
 from preft.bundle import check_finite, read_manifest
 from preft.bundle import bundle_rule
 from preft.rule import active_scheduled_tokens
+from preft.serving import adapter_cache_stats
 from preft.serving.bundle_store import NOT_SERVED, intact_store_copy, is_store_copy
 from preft.serving.tile_plan import TilePlan, build_tile_plan
 
@@ -116,6 +118,8 @@ class ReftBank:
             else:  # the least recently used bundle this step does not need
                 victim = next(b for b in self.slot_of if b not in needed)
                 slot = self.slot_of.pop(victim)
+                adapter_cache_stats.record_evictions("slot", "reft", 1)
+            start = time.perf_counter()
             try:
                 self._write(bundle, slot)
             except Exception as err:  # noqa: BLE001 - a bad bundle costs its own requests, not the step
@@ -124,6 +128,7 @@ class ReftBank:
                 failures[bundle] = f"ReFT-P bundle {bundle} cannot be read: {err}"
                 needed.discard(bundle)
                 continue
+            adapter_cache_stats.record_load("slot", "reft", time.perf_counter() - start)
             self.slot_of[bundle] = slot
         for bundle in needed:
             self.slot_of.move_to_end(bundle)

@@ -26,19 +26,25 @@ server process.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
+import time
 import typing
 from pathlib import Path
 
 from preft import envs
 from preft.constants import REFT_EXTRA_ARG
 from preft.bundle import BundleError, read_manifest
+from preft.serving import adapter_cache_stats, adapter_metrics, adapter_resolver
 from preft.serving.bundle_store import BundleStore, resolve_under_root
 from preft.serving.prompt_end import check_prompt_end
 
 #: ReFT-P adapter name -> the server's copy of its bundle, in the API server process
 REFT_ADAPTERS: dict[str, str] = {}
+#: the ReFT-P name the request being handled gave in ``model`` (set by the middleware in the
+#: request's task; the engine request carries only the bundle, which several names may share)
+REQUESTED_REFT_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("preft_reft_name", default=None)
 #: vLLM's ``OpenAIServingModels`` of this server (its ``lora_requests`` are the LoRA names)
 SERVING_MODELS = None
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -66,10 +72,25 @@ def bundle_store() -> BundleStore:
 
 
 def add_runtime_bundle(name: str, path: str) -> tuple[Path, dict]:
-    """The server's checked copy of the bundle a runtime load names (under the adapter root)."""
+    """The server's checked copy of the bundle a runtime load names (under the adapter root);
+    counted as a store load on ``/metrics``."""
     if not isinstance(path, str) or not path:
         raise BundleError("'lora_path' must be provided")
-    return bundle_store().add(name, resolve_under_root(path, Path(envs.PREFT_SERVE_ADAPTER_ROOT)))
+    start = time.perf_counter()
+    copy, manifest = bundle_store().add(name, resolve_under_root(path, Path(envs.PREFT_SERVE_ADAPTER_ROOT)))
+    adapter_cache_stats.record_load("store", manifest["kind"], time.perf_counter() - start)
+    return copy, manifest
+
+
+def name_of_copy(copy: str) -> str | None:
+    """The ReFT-P name serving the store copy ``copy`` (the first, if several share its content)."""
+    return next((name for name, path in REFT_ADAPTERS.items() if path == copy), None)
+
+
+def served_name(model) -> bool:
+    """Whether ``model`` names something this server serves now (an adapter or the base model)."""
+    return isinstance(model, str) and (model in REFT_ADAPTERS or model in lora_names()
+                                       or model == envs.PREFT_SERVE_BASE_NAME)
 
 
 def _kind_under_root(path) -> str | None:
@@ -137,6 +158,18 @@ def _error(message: str, status: int) -> dict:
                       "param": None, "code": status}}
 
 
+def counting_errors(send, requested: list):
+    """``send``, counting an answer with an HTTP error under the adapter the request named
+    (``requested[0]``, known once the body is read; a name not served: ``_unknown``)."""
+    async def send_counted(message):
+        if message.get("type") == "http.response.start" and adapter_metrics.error_status(message.get("status", 200)) \
+                and adapter_metrics.METRICS is not None:
+            model = requested[0]
+            adapter_metrics.METRICS.error(model if served_name(model) else adapter_metrics.UNKNOWN)
+        await send(message)
+    return send_counted
+
+
 class ReftRoutingMiddleware:
     """Pure ASGI middleware (the request body is read once and replayed)."""
 
@@ -148,6 +181,11 @@ class ReftRoutingMiddleware:
         admin = runtime_loading() and path in (LOAD, UNLOAD)
         if scope["type"] != "http" or scope.get("method") != "POST" or not (_is_json(scope) or admin):
             return await self.app(scope, receive, send)
+        requested: list = [None]  # the model a completion-like request names, once read
+        answer = counting_errors(send, requested) if path in XARGS_PATHS else send
+        return await self._route(scope, receive, answer, path, admin, requested)
+
+    async def _route(self, scope, receive, send, path, admin, requested):
         body = await _read_body(receive)
         try:
             data = json.loads(body) if body else None
@@ -167,9 +205,15 @@ class ReftRoutingMiddleware:
                     check_prompt_end(xargs)
                 except ValueError as err:
                     return await _respond(send, 400, _error(str(err), 400))
-            model = data.get("model")
+            model = requested[0] = data.get("model")
+            if path in XARGS_PATHS and adapter_resolver.resolving() and not served_name(model):
+                try:
+                    await adapter_resolver.resolve_reft(model)
+                except BundleError as err:
+                    return await _respond(send, 400, _error(str(err), 400))
             if path in XARGS_PATHS and isinstance(model, str) and model in REFT_ADAPTERS:
                 bundle = REFT_ADAPTERS[model]
+                REQUESTED_REFT_NAME.set(model)
                 data["model"] = envs.PREFT_SERVE_BASE_NAME or model
                 data["vllm_xargs"] = {**(xargs or {}), REFT_EXTRA_ARG: bundle}
                 body = json.dumps(data).encode()

@@ -9,7 +9,11 @@ prefill-only and ``adapter_start``, which the PreFT vLLM plugin applies per toke
 With ``--allow-runtime-loading --adapter-root DIR``, adapters under DIR can be loaded and
 unloaded at run time with vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
 (behind ``--api-key`` when one is given, like every ``/v1`` route); without it those routes do
-not exist. Adapter names are unique across kinds; ``load_inplace`` replaces one.
+not exist. Adapter names are unique across kinds; ``load_inplace`` replaces one. With
+``--resolve-adapters --adapter-root DIR`` a request naming ``DIR/<name>`` loads that bundle on
+first use (:mod:`preft.serving.adapter_resolver`; it turns the load routes on too, for explicit
+reloads); ``--max-host-adapters`` bounds the LoRA weights kept in host memory (LRU).
+``/metrics`` has per-adapter figures beside vLLM's (:mod:`preft.serving.adapter_metrics`).
 
 Every bundle is copied into the server's store and checked there before it is served
 (:mod:`preft.serving.bundle_store`), so a bad bundle is one clear error line (or a 400 at run
@@ -52,7 +56,7 @@ ONLINE_COST_STATE = "step_cost_online.json"
 OWN_FLAGS = {
     "--tensor-parallel-size": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
     "--pipeline-parallel-size": "--pipeline-parallel-size", "-pp": "--pipeline-parallel-size",
-    "--max-loras": "--max-adapters", "--max-lora-rank": "--max-rank", "--lora-modules": "--adapter NAME=BUNDLE",
+    "--max-loras": "--max-adapters", "--max-cpu-loras": "--max-host-adapters", "--max-lora-rank": "--max-rank", "--lora-modules": "--adapter NAME=BUNDLE",
     "--scheduler-cls": "--scheduler", "--model": "--model", "--max-model-len": "--max-model-len",
     "--dtype": "--dtype", "--host": "--host", "--port": "--port", "--served-model-name": "--served-model-name",
     "--shutdown-timeout": "--drain-seconds",
@@ -74,6 +78,7 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
     argv = [
         "--model", str(base_dir), "--host", args.host, "--port", str(args.port),
         "--enable-lora", "--max-loras", str(args.max_adapters), "--max-lora-rank", str(vllm_lora_rank(args.max_rank)),
+        "--max-cpu-loras", str(host_adapters(args)),
         "--max-model-len", "-1" if args.max_model_len == "auto" else str(args.max_model_len), "--enforce-eager", "--dtype", args.dtype,
         "--scheduler-cls", SCHEDULER_CLS,
         # SIGTERM: vLLM stops admitting and lets running requests finish for up to this long
@@ -97,10 +102,19 @@ def vllm_arguments(args, base_dir: Path) -> list[str]:
     return argv + list(args.vllm_args)
 
 
+def host_adapters(args) -> int:
+    """vLLM's ``--max-cpu-loras``: ``--max-host-adapters``, at least the slots (vLLM's rule)."""
+    return max(args.max_host_adapters, args.max_adapters)
+
+
 def server_environment(args, base_dir: Path, reft_adapters: dict[str, str]) -> dict[str, str]:
     """The server's environment: vLLM's settings and PreFT's (each is described in :mod:`preft.envs`)."""
     env = dict(os.environ)
-    if args.allow_runtime_loading:
+    env.pop("PREFT_SERVE_RESOLVE", None)
+    if args.resolve_adapters:
+        env["PREFT_SERVE_RESOLVE"] = "1"
+    env["PREFT_METRICS_TOP_K"] = str(args.metrics_top_adapters)
+    if args.allow_runtime_loading or args.resolve_adapters:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env["PREFT_SERVE_ADAPTER_ROOT"] = str(Path(args.adapter_root).resolve())
     else:  # vLLM then serves no load/unload routes at all, and neither does PreFT
@@ -252,6 +266,11 @@ def serve(args) -> int:
     if args.allow_runtime_loading and not args.adapter_root:
         raise ValueError("--allow-runtime-loading needs --adapter-root DIR: runtime loads may only read bundles "
                           "under it")
+    if args.resolve_adapters and not args.adapter_root:
+        raise ValueError("--resolve-adapters needs --adapter-root DIR: the bundles it loads on first use are "
+                         "DIR/<name>")
+    if args.max_host_adapters < 1 or args.metrics_top_adapters < 0:
+        raise ValueError("--max-host-adapters must be >= 1 and --metrics-top-adapters >= 0")
     if args.adapter_root and not Path(args.adapter_root).is_dir():
         raise ValueError(f"--adapter-root is not a directory: {args.adapter_root}")
     if args.max_rank < 1 or args.max_adapters < 1:
@@ -329,6 +348,16 @@ def add_arguments(parser) -> None:
                              "--adapter-root; honours --api-key like every /v1 route)")
     parser.add_argument("--adapter-root", default=None, metavar="DIR",
                         help="runtime loads may only read bundles under DIR (paths resolved, links followed)")
+    parser.add_argument("--resolve-adapters", action="store_true",
+                        help="a request naming an adapter that is not loaded but is a bundle DIR/NAME under "
+                             "--adapter-root loads it on first use (needs --adapter-root; also serves the load "
+                             "routes, for explicit reloads; honours --api-key)")
+    parser.add_argument("--max-host-adapters", type=int, default=64,
+                        help="LoRA adapters kept in host memory, least recently used out (vLLM's --max-cpu-loras; "
+                             "at least --max-adapters; default 64)")
+    parser.add_argument("--metrics-top-adapters", type=int, default=20,
+                        help="adapters with their own label on /metrics, by finished requests; the rest are "
+                             "summed as adapter=\"_other\" (default 20)")
     parser.add_argument("--state-dir", default=None, metavar="DIR",
                         help="where the server keeps its checked copies of the bundles it serves, and SLOWeave's and "
                              "WavePP's learned step cost model (default: a new temporary directory)")

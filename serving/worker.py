@@ -43,12 +43,17 @@
    activations overflow), made later base-model requests answer token 0. Finite numbers
    never change: every other request's tokens are the same; the poisoned request's own
    answers stay garbage, as its adapter made them.
+9. ``LRUCacheWorkerLoRAManager.add_adapter`` counts LoRA loads and evictions of the host cache
+   and the slots (:func:`counted_add_adapter`, :mod:`preft.serving.adapter_cache_stats`); the
+   step's end writes the counts for ``/metrics``. A load's time is that of the whole call
+   (reading the store copy, when it was not in the host cache, and activating it).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -56,7 +61,7 @@ import numpy as np
 from preft import envs
 from preft.constants import FAILED_REQUESTS_ATTR
 from preft.bundle import bundle_rule
-from preft.serving import lora_ops, reft
+from preft.serving import adapter_cache_stats, lora_ops, reft
 from preft.serving.bundle_store import NOT_SERVED, is_store_copy
 from preft.serving.prompt_end import prompt_end_of
 from preft.serving.lora_mapping import prefill_only_mapping
@@ -196,11 +201,30 @@ def dispatch_with_active_loras(original, runner, *args, **kwargs):
     return original(runner, *args, **kwargs)
 
 
+def counted_add_adapter(original, manager, lora_request, *args, **kwargs):
+    """vLLM's ``add_adapter`` (a step's LoRA into the host cache, then into a slot), with its loads
+    and evictions counted for ``/metrics`` (:mod:`preft.serving.adapter_cache_stats`)."""
+    models = manager._adapter_manager
+    cached, active = set(manager.list_adapters()), set(models._active_adapters)
+    start = time.perf_counter()
+    result = original(manager, lora_request, *args, **kwargs)
+    seconds = time.perf_counter() - start
+    lora_id = lora_request.lora_int_id
+    if lora_id not in cached or lora_request.load_inplace:
+        adapter_cache_stats.record_load("host", "lora", seconds)
+    if lora_id not in active:
+        adapter_cache_stats.record_load("slot", "lora", seconds)
+    adapter_cache_stats.record_evictions("host", "lora", len(cached - set(manager.list_adapters()) - {lora_id}))
+    adapter_cache_stats.record_evictions("slot", "lora", len(active - set(models._active_adapters) - {lora_id}))
+    return result
+
+
 def finish_step(output):
     """Attach the step's failed requests to its output (when it is the step's ``ModelRunnerOutput``)
     and reset the step context."""
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
+    adapter_cache_stats.flush()
     failed = get_step_context().failed_requests
     reset_step_context()
     if failed and isinstance(output, ModelRunnerOutput):
@@ -313,7 +337,7 @@ def patch() -> None:
 
     wrap(GPUModelRunner, "_determine_batch_execution_and_padding")(dispatch_with_active_loras)
 
-    require(LRUCacheWorkerLoRAManager, "add_adapter")
+    wrap(LRUCacheWorkerLoRAManager, "add_adapter")(counted_add_adapter)
     wrap(LoRAModelRunnerMixin, "_set_active_loras")(set_active_loras_guarded)
 
     @wrap(GPUModelRunner, "execute_model")

@@ -27,6 +27,7 @@ NEW_TOKENS = 6
 API_KEY = "test-key-7f3a"  # the server runs behind vLLM's --api-key
 ADAPTERS = [f"user{i}" for i in range(8)]
 REFT_ADAPTERS = ["reft0", "reft1"]  # reft1 is loaded at run time
+MAX_HOST_ADAPTERS = 8  # fewer than the LoRAs the tests use: the host cache evicts
 MAX_MODEL_LEN = 512  # room for a conversation whose turn 1 decodes past a 128-token KV block
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 =", "the quiet", "sort 8 2 1 9 =", "a=7 b=2 ; b ="]
 
@@ -71,7 +72,8 @@ def server(adapters, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     # user7 is not given at start: the tests load it at run time
     args = ["--max-adapters", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-rank", "8", "--dtype", "float32",
-            "--allow-runtime-loading", "--adapter-root", str(adapters)]
+            "--allow-runtime-loading", "--adapter-root", str(adapters), "--resolve-adapters",
+            "--max-host-adapters", str(MAX_HOST_ADAPTERS), "--metrics-top-adapters", "64"]
     for name in [*ADAPTERS[:-1], "reft0"]:
         args += ["--adapter", f"{name}={adapters / (name + '.bundle')}"]
     proc, url, ready_s = start_server([*args, "--", "--api-key", API_KEY], log)
@@ -109,6 +111,16 @@ def complete(server, model: str, prompt: str, **kwargs) -> str:
     response = client(server).completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
                                                  temperature=0.0, extra_body={"min_tokens": NEW_TOKENS}, **kwargs)
     return response.choices[0].text
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` parsed by ``prometheus_client``: ``{(sample name, sorted labels): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server["url"] + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def post(server, path: str, body: dict, key: str | None = API_KEY) -> tuple[int, str]:

@@ -170,6 +170,9 @@ def test_serve_refuses_a_port_in_use_in_one_line_before_loading(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--allow-runtime-loading"], "needs --adapter-root"),
+    (["--resolve-adapters"], "--resolve-adapters needs --adapter-root"),
+    (["--max-host-adapters", "0"], "--max-host-adapters must be >= 1"),
+    (["--", "--max-cpu-loras", "9"], "use preft serve's --max-host-adapters"),
     (["--adapter", "a=x", "--adapter", "a=y"], "names must be unique"),
     # before: vLLM's own parallel flag after -- died in vLLM with a traceback (no CPU thread binding)
     (["--", "--pipeline-parallel-size", "2"], "use preft serve's --pipeline-parallel-size (before --)"),
