@@ -203,19 +203,37 @@ def dispatch_with_active_loras(original, runner, *args, **kwargs):
 
 def counted_add_adapter(original, manager, lora_request, *args, **kwargs):
     """vLLM's ``add_adapter`` (a step's LoRA into the host cache, then into a slot), with its loads
-    and evictions counted for ``/metrics`` (:mod:`preft.serving.adapter_cache_stats`)."""
+    and evictions counted for ``/metrics`` (:mod:`preft.serving.adapter_cache_stats`).
+
+    For an adapter already in the host cache it runs vLLM's own branch for that case directly:
+    vLLM's test ``lora_int_id not in self.list_adapters()`` first copies the ids of every cached
+    adapter (twice), which is called for every adapter of every prefill step and grows with the
+    adapters a server holds (measured: 0.25 ms a call with 256 cached, about a tenth of a
+    28 ms step with 8 adapters)."""
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
     models = manager._adapter_manager
-    cached, active = set(manager.list_adapters()), set(models._active_adapters)
-    start = time.perf_counter()
-    result = original(manager, lora_request, *args, **kwargs)
-    seconds = time.perf_counter() - start
     lora_id = lora_request.lora_int_id
-    if lora_id not in cached or lora_request.load_inplace:
+    cached = require(models, "_registered_adapters")
+    active = require(models, "_active_adapters")
+    was_cached, was_active = lora_id in cached, lora_id in active
+    cached_before, active_before = len(cached), len(active)
+    start = time.perf_counter()
+    if was_cached and not lora_request.load_inplace:
+        with gpu_sync_allowed():
+            result = models.get_adapter(lora_id) is not None
+            models.activate_adapter(lora_id)
+    else:
+        result = original(manager, lora_request, *args, **kwargs)
+    seconds = time.perf_counter() - start
+    host_load = not was_cached or lora_request.load_inplace
+    if host_load:
         adapter_cache_stats.record_load("host", "lora", seconds)
-    if lora_id not in active:
+    if not was_active:
         adapter_cache_stats.record_load("slot", "lora", seconds)
-    adapter_cache_stats.record_evictions("host", "lora", len(cached - set(manager.list_adapters()) - {lora_id}))
-    adapter_cache_stats.record_evictions("slot", "lora", len(active - set(models._active_adapters) - {lora_id}))
+    # what the cache would hold without evictions, less what it holds
+    adapter_cache_stats.record_evictions("host", "lora", cached_before + (not was_cached) - len(cached))
+    adapter_cache_stats.record_evictions("slot", "lora", active_before + (not was_active) - len(active))
     return result
 
 
