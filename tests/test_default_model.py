@@ -27,11 +27,11 @@ def test_default_model_is_shipped_small_and_documented(base_path):
 def test_default_model_learned_the_corpus(base_path, tokenizer):
     """Not a random network: it completes easy corpus patterns."""
     model = load_base(base_path)
-    prompts = ["copy 1 2 3 =", "a=4 b=8 ; b =", "reverse 5 6 7 ="]
+    prompts = ["copy 1 2 3 =", "a=4 b=8 ; b =", "reverse 5 6 7 =", "sort 3 1 2 ="]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     out = model.generate(**batch, max_new_tokens=8, do_sample=False)
     answers = [a.strip() for a in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
-    assert answers[0] == "1 2 3" and answers[1] == "8", answers
+    assert answers == ["1 2 3", "8", "7 6 5", "1 2 3"]  # every one (its arithmetic is not learned: add 2 3 = 8)
 
 
 @pytest.mark.slow

@@ -119,6 +119,9 @@ def test_without_the_plugin_the_engine_disagrees(requests_and_reference, base_pa
     tokens = run_engine(base_path, tmp_path, requests, {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8})[0]
     prefill_only = [i for i, r in enumerate(requests) if r["adapter"] in ("alice", "bob", "carol")]
     assert any(tokens[i] != reference[i] for i in prefill_only)
+    # the base model's requests, batched with adapter requests, got the last slot's adapter
+    base_rows = [i for i, r in enumerate(requests) if r["adapter"] is None]
+    assert base_rows and any(tokens[i] != reference[i] for i in base_rows)
 
 
 @pytest.mark.slow

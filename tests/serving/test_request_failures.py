@@ -90,7 +90,9 @@ def test_reft_plan_fails_the_requests_of_an_unreadable_bundle_and_plans_the_rest
     assert plan.single_slot == slot and plan.rows.tolist() == [3, 4, 5]
     # only the broken bundle: no plan, the failure recorded; without a failures dict it raises
     assert build_reft_plan(bank, [str(broken)], np.array([0]), np.array([3]), np.array([3]), failures) is None
-    with pytest.raises(Exception):
+    from safetensors import SafetensorError
+
+    with pytest.raises(SafetensorError, match="deserializing header"):
         build_reft_plan(bank, [str(broken)], np.array([0]), np.array([3]), np.array([3]))
 
 
