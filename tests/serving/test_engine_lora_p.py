@@ -3,7 +3,7 @@
 One batch mixes three LoRA-P adapters (one with adapter_start=3), an all-token LoRA and the
 bare base model; run with default scheduling, with chunked prefill forced by a tiny token
 budget, with fewer adapter slots than adapters, and twice (the second round hits the prefix
-cache).
+cache). The HF reference is itself checked against the independent one (``tests/reference``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from conftest import hf_greedy, load_base, strengthen_reft
 from preft.constants import ALL_PROJECTIONS
 from preft.export import export_adapter
 from engine_pool import shared_pool
+from reference.independent import Adapter, greedy as independent_greedy
 
 NEW_TOKENS = 8
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 1 5 9 2 6 =", "the quiet", "a=7 b=2 c=9 d=4 ; c =", "sort 8 2 1 9 ="]
@@ -58,6 +59,17 @@ def requests_and_reference(bundles, base_path, tokenizer):
     # the adapters matter: a prefill-only adapter's tokens differ from the base model's
     base_tokens = {r["prompt"]: t for r, t in zip(requests, reference) if r["adapter"] is None}
     assert any(t != base_tokens[r["prompt"]] for r, t in zip(requests, reference) if r["adapter"])
+    # and the HF reference is the rule's: it equals the independent one (tests/reference), which
+    # shares no code with the project, so a wrong rule cannot move the engine and this together
+    plain = load_base(base_path)
+    for name in {r["adapter"] for r in requests}:
+        hooks = Adapter(plain, bundles[name][0]) if name else None
+        for request, want in zip(requests, reference):
+            if request["adapter"] == name:
+                ids = tokenizer(request["prompt"])["input_ids"]
+                assert independent_greedy(plain, hooks, ids, NEW_TOKENS, never=(tokenizer.eos_token_id,)) == want
+        if hooks:
+            hooks.remove()
     return requests, reference
 
 
