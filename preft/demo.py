@@ -65,7 +65,8 @@ def train_adapter(name: str, config_file: str, model_dir: str, steps: int, outpu
         config["adapter"].update(rank=8, layers=None)  # every decoder layer
     config["trainer"].update(max_steps=steps, per_device_train_batch_size=8, per_device_eval_batch_size=16,
                              learning_rate=2e-3, warmup_steps=2, report_to="none", eval_strategy="no",
-                             save_strategy="no", logging_steps=max(1, steps // 6))
+                             save_strategy="no", logging_steps=max(1, steps // 6),
+                             gradient_checkpointing=False)  # memory a 135M model does not need, at a step's cost
     return sft.main(config)
 
 

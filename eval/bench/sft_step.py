@@ -10,11 +10,12 @@ layers) where the adapter's matmuls are a visible share of the step.
 
 With ``--model`` (a real model, :mod:`preft.real_models`): the SFT recipe's own trainer
 (``PreftSFTTrainer``, LoRA-P r=16 on every linear module, 8 chat rows a step: the tour's persona
-data) trains ``--steps`` steps in each precision, the precisions taking turns for ``--rounds``
-rounds: ``float32``; ``float32 + bf16 autocast`` (TRL's ``bf16=True`` over float32 weights);
-``bf16`` (:mod:`preft.precision`: bfloat16 base weights and autocast, float32 adapter). It reports
-the median step time (the first two steps of a run left out) and each precision's loss curve, the
-same seed and rows for all, so a faster step that learned less would show.
+data) trains ``--steps`` steps in each variant (``PRECISIONS``), the variants taking turns for
+``--rounds`` rounds: ``float32`` or ``bf16`` (:mod:`preft.precision`: bfloat16 base weights and
+autocast, float32 adapter), each with TRL's own CPU step (``fast_cpu_step=False``) and with
+:mod:`preft.trainers.cpu_step`, and the fastest without gradient checkpointing. It reports the
+median step time (the first two steps of a run left out) and each variant's loss curve, the same
+seed and rows for all, so a faster step that learned less would show.
 """
 
 from __future__ import annotations
@@ -75,10 +76,12 @@ def compare(name: str, build_base, batch, rank: int, repeats: int) -> dict:
     }
 
 
-PRECISIONS = {  # name -> (recipe precision, trainer bf16 over float32 weights)
-    "float32": ("float32", False),
-    "float32 + bf16 autocast": ("float32", True),
-    "bf16 weights + autocast": ("bf16", None),
+PRECISIONS = {  # name -> (recipe precision, PreftSFTTrainer's fast_cpu_step, gradient checkpointing)
+    "float32, TRL's CPU step": ("float32", False, True),
+    "bf16 weights + autocast, TRL's CPU step": ("bf16", False, True),
+    "float32, fast CPU step": ("float32", True, True),
+    "bf16 weights + autocast, fast CPU step": ("bf16", True, True),
+    "bf16 weights + autocast, fast CPU step, no gradient checkpointing": ("bf16", True, False),
 }
 
 
@@ -92,15 +95,15 @@ def precision_run(model_dir: str, name: str, steps: int, out: Path) -> dict:
     from preft.trainers import PreftSFTTrainer
     from preft.user_data import to_prompt_completion
 
-    chosen, autocast_over_float32 = PRECISIONS[name]
+    chosen, fast_cpu_step, gradient_checkpointing = PRECISIONS[name]
     rows = [to_prompt_completion({"messages": row["messages"]}) for row in demo_users.chat_rows("alice", 8 * steps)]
     section = {"max_steps": steps, "per_device_train_batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 2,
-               "logging_steps": 1, "report_to": "none", "save_strategy": "no", "seed": 0}
-    if autocast_over_float32 is not None:
-        section["bf16"] = autocast_over_float32
+               "logging_steps": 1, "report_to": "none", "save_strategy": "no", "seed": 0,
+               "gradient_checkpointing": gradient_checkpointing}
     section = precision.apply(chosen, section, announce=lambda line: None)
-    trainer = PreftSFTTrainer(model=model_dir, args=SFTConfig(output_dir=str(out / name.replace(" ", "_")), **section),
-                              train_dataset=Dataset.from_list(rows),
+    run_dir = out / "".join(c if c.isalnum() else "_" for c in name)
+    trainer = PreftSFTTrainer(model=model_dir, args=SFTConfig(output_dir=str(run_dir), **section),
+                              train_dataset=Dataset.from_list(rows), fast_cpu_step=fast_cpu_step,
                               peft_config=preft.PreftLoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
                                                                 task_type="CAUSAL_LM"))
     times: list[float] = []
@@ -139,28 +142,34 @@ def precisions(model: str, steps: int = 16, rounds: int = 2) -> dict:
         rows.append({"precision": name, "median_step_s": statistics.median(step_times),
                      "round_medians_s": [statistics.median(run["step_s"]) for run in done],
                      "losses_first_round": done[0]["losses"], "batch_shape": done[0]["batch_shape"]})
-    baseline = rows[0]["median_step_s"]
-    for row in rows:
-        row["speedup_vs_float32"] = baseline / row["median_step_s"]
+    baseline = rows[0]["round_medians_s"]
+    for row in rows:  # within each round (the variants moments apart), then the median over rounds
+        per_round = [base / mine for base, mine in zip(baseline, row["round_medians_s"])]
+        row["speedup_vs_float32"], row["speedup_range"] = statistics.median(per_round), [min(per_round), max(per_round)]
     command = f"preft bench sft-step --model {model} --steps {steps} --rounds {rounds}"
     result = {"command": command, **torch_machine(), "model": model, "steps": steps, "rounds": rounds, "rows": rows}
     shape = rows[0]["batch_shape"]
-    table = ["| precision | median step (s) | per round (s) | vs float32 | loss at steps 1 / 4 / 8 / last |",
+    table = ["| precision, step | median step (s) | per round (s) | vs float32 | loss at steps 1 / 4 / 8 / last |",
              "|---|---|---|---|---|"]
     for row in rows:
         losses = row["losses_first_round"]
         picks = " / ".join(f"{losses[i]:.2f}" for i in (0, 3, 7) if i < len(losses)) + f" / {losses[-1]:.2f}"
         table.append(f"| {row['precision']} | {row['median_step_s']:.2f} | "
-                     f"{', '.join(f'{t:.2f}' for t in row['round_medians_s'])} | {row['speedup_vs_float32']:.2f}x | "
+                     f"{', '.join(f'{t:.2f}' for t in row['round_medians_s'])} | {row['speedup_vs_float32']:.2f}x "
+                     f"[{row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f}] | "
                      f"{picks} |")
     markdown = "\n".join([
-        f"## SFT step time on a real model by precision ({model})",
+        f"## SFT step time on a real model by precision and CPU step ({model})",
         "",
         f"Command: `{command}` ({result['machine']}, torch {result['torch']}). The SFT recipe's trainer, LoRA-P",
         f"r=16 on every linear module, {shape[0]} chat rows of up to {shape[1]} tokens a step (the tour's persona",
-        f"data), {steps} steps a run, the precisions taking turns for {rounds} rounds; median step time without each",
-        "run's first two steps. `bf16 weights + autocast` is what `precision: auto` picks on a CPU with native",
-        "bf16 (AVX512-BF16 or AMX) and on a GPU.",
+        f"data), {steps} steps a run, the variants taking turns for {rounds} rounds; median step time without each",
+        "run's first two steps; the ratio to float32 with TRL's CPU step (the toolkit's step before the fast",
+        "one) is taken within each round, its median and range over rounds given. `fast CPU step` is `PreftSFTTrainer` on a CPU (`preft.trainers.cpu_step`: the head on labelled",
+        "positions only, short rows' attention in float32, no adapter input casts under autocast); `TRL's CPU",
+        "step` is `fast_cpu_step=False`. `bf16 weights + autocast, fast CPU step` is what `precision: auto`",
+        "picks on a CPU with native bf16 (AVX512-BF16 or AMX). Gradient checkpointing (TRL's default) recomputes",
+        "each layer's forward in the backward; `recipes/configs/sft_own_data.yaml` and the tour turn it off.",
         "",
         *table,
     ])
