@@ -6,8 +6,8 @@
 - ``bf16``: the frozen base model's weights in bfloat16 and bf16 autocast (the trainer's
   ``bf16=True``); the adapter's weights stay float32 (PEFT keeps them so), and so do AdamW's
   states. On SmolLM2-135M on a 2-core CPU with AVX512-BF16, with the trainer's fast CPU step
-  (:mod:`preft.trainers.cpu_step`), a step takes 1.51 s against float32's 3.20 s with TRL's own
-  step, 2.15x (``preft bench sft-step --model smollm2-135m-instruct``, docs/RESULTS.md), with half
+  (:mod:`preft.trainers.cpu_step`), a step takes 1.69 s against float32's 3.85 s with TRL's own
+  step, 2.41x (``preft bench sft-step --model smollm2-135m-instruct``, docs/RESULTS.md), with half
   the base model's memory;
 - ``auto`` (default): ``bf16`` on a CUDA GPU that supports it or on a CPU with native bf16
   arithmetic (AVX512-BF16 or AMX-BF16), else ``float32``.

@@ -46,6 +46,25 @@ def test_cpu_sdpa_is_float32_for_short_rows_and_sdpa_for_long_ones(tokens):
         assert torch.equal(got, bf16)
 
 
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_a_model_on_cpu_sdpa_masks_padding_as_sdpa_does(padding_side):
+    """Padded rows: the same logits at real positions as the model on SDPA (float32, where
+    cpu_sdpa is SDPA itself, so any difference is the mask)."""
+    torch.manual_seed(0)
+    model = larger_random_llama(vocab_size=64).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 64, (2, 12))
+    mask = torch.ones_like(ids)
+    pad = slice(0, 5) if padding_side == "left" else slice(7, 12)
+    mask[1, pad] = 0
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        assert cpu_step.use_cpu_sdpa(model)
+        got = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert torch.allclose(got[real], expected[real], atol=1e-5, rtol=0)
+
+
 def test_head_on_labelled_positions_scores_fewer_rows_for_the_same_loss_and_gradients():
     import trl.trainer.utils as trl_utils
 

@@ -127,14 +127,15 @@ def test_preft_train_and_export_lora_p_and_reft_p(family, tmp_path):
 
 def test_trainers_load_gemma2_with_the_attention_vllm_serves(tmp_path):
     """transformers' SDPA path drops Gemma 2's attention soft-capping (vLLM applies it): a model
-    given by path trains with eager attention, unless the user says otherwise."""
+    given by path trains with eager attention, unless the user says otherwise (SDPA, which a CPU
+    step computes as ``preft_cpu_sdpa``)."""
     from datasets import Dataset
     from trl import SFTConfig
 
-    from preft.trainers import PreftSFTTrainer
+    from preft.trainers import PreftSFTTrainer, cpu_step
 
     data = Dataset.from_list(preft.data.user_examples(0, 8))
-    for init_kwargs, expected in ((None, "eager"), ({"attn_implementation": "sdpa"}, "sdpa")):
+    for init_kwargs, expected in ((None, "eager"), ({"attn_implementation": "sdpa"}, cpu_step.CPU_SDPA)):
         args = SFTConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, max_steps=1,
                          model_init_kwargs=init_kwargs)
         trainer = PreftSFTTrainer(model=family_dir("gemma2"), args=args, train_dataset=data,

@@ -33,6 +33,7 @@ import contextlib
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 #: Keys up to which a CPU computes bf16/fp16 attention in float32 (measured faster up to 256).
 FLOAT32_ATTENTION_MAX_KEYS = 256
@@ -52,6 +53,9 @@ def cpu_sdpa(module, query, key, value, attention_mask, **kwargs):
 
 
 AttentionInterface.register(CPU_SDPA, cpu_sdpa)
+# An attention transformers' masks do not know gets no mask at all (padding would be attended):
+# this one takes the masks SDPA takes.
+AttentionMaskInterface.register(CPU_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def use_cpu_sdpa(model) -> bool:
