@@ -423,7 +423,9 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
          loads: str = "0.25,0.5,0.75,1,1.25", requests: int = 2000, max_num_seqs: int = 64,
          engine_policies: str = "default,fixed:64,fixed:256,sloweave", engine_workload: str = "mixed",
          engine_load: float = 0.5, engine_requests: int = 300, engine_rounds: int = 0, engine_loads: str = "0.5,0.75",
-         engine_seeded: bool = False, adapters: int = 0, slots: int = 0, out: str = "runs/eval") -> dict[str, Any]:
+         engine_seeded: bool = False, adapters: int = 0, slots: int = 0, capacity: bool = False,
+         capacity_probes: int = 4, capacity_requests: int = 600, engine_tpot_scales: str = "",
+         out: str = "runs/eval") -> dict[str, Any]:
     from transformers import AutoConfig
 
     from preft.eval import common
@@ -445,7 +447,10 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                 "requests": requests, "engine_requests": engine_requests, "engine_workload": engine_workload,
                 "engine_load": engine_load, "max_num_seqs": max_num_seqs, "probe_requests": min(requests, 1000),
                 "engine_rounds": engine_rounds, "engine_loads": _parse(engine_loads, float, "engine-loads"),
-                "engine_seeded": engine_seeded}
+                "engine_seeded": engine_seeded, "capacity_probes": capacity_probes,
+                "capacity_requests": capacity_requests}
+    settings["engine_tpot_scales"] = (_parse(engine_tpot_scales, float, "engine-tpot-scales") if engine_tpot_scales
+                                      else settings["tpot_scales"])
     for kind in settings["workloads"] + [engine_workload]:
         if kind not in workload_module.KINDS:
             raise ValueError(f"unknown workload {kind!r} (choose from {', '.join(workload_module.KINDS)})")
@@ -453,6 +458,8 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
         make_policy(name, cost_model=StepCostModel.synthetic(), tpot_s=1.0)  # a bad name fails here
     if requests < 10 or engine_requests < 1 or not settings["loads"] or min(settings["loads"]) <= 0:
         raise ValueError("--requests must be >= 10, --engine-requests >= 1 and every --loads > 0")
+    if capacity and (capacity_probes < 1 or capacity_requests < 10):
+        raise ValueError("--capacity-probes must be >= 1 and --capacity-requests >= 10")
     if adapters < 0 or slots < 0 or (slots and not adapters):
         raise ValueError("--adapters and --slots must be >= 0, and --slots needs --adapters N")
     settings.update(adapters=adapters, slots=slots or adapters, bundles={})
@@ -473,6 +480,8 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
         paths = make_bundles(model_dir, "lora", adapters, 16, Path(bundle_dir.name))
         settings["bundles"] = {f"lora{i}": path for i, path in enumerate(paths)}
 
+    if capacity:
+        return capacity_run(model_cost, cost_model, model_dir, settings, values, goodput_dir, started)
     rows = run_simulations(model_cost, settings)
     result: dict[str, Any] = {"command": command_line("goodput", main, values, always=("model",)), "model": model,
                               "cost_model": cost_model, "cost_model_weights": model_cost.weights,
@@ -531,6 +540,50 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
     return result
 
 
+def capacity_run(model_cost, cost_model: str, model_dir: str, settings: dict, values: dict, goodput_dir: Path,
+                 started: float) -> dict[str, Any]:
+    """``--capacity``: every policy's SLO capacity (:mod:`preft.eval.slo_capacity`), published as
+    ``eval_goodput_capacity``."""
+    from preft.eval import common, slo_capacity
+    from preft.eval.results import command_line
+
+    found = slo_capacity.run(model_cost, model_dir, settings, goodput_dir)
+    fidelity_rows = slo_capacity.fidelity(found)
+    figure = goodput_dir / "goodput_capacity.png"
+    slo_capacity.plot(found, figure)
+    command = command_line("goodput", main, values, always=("model",))
+    markdown = [
+        "## SLO capacity: SLOWeave vs fixed prefill chunks (`preft eval goodput --capacity`)\n",
+        f"Command: `{command}` ({common.machine()}); cost model `{Path(cost_model).name}` (the simulator's, and "
+        "the targets'). A policy's SLO capacity is the highest Poisson rate at which at least "
+        f"{slo_capacity.ATTAINMENT:.0%} of the requests meet both targets (a failed request misses). Simulator: "
+        f"{settings['capacity_requests']} requests a probe, the rate searched to a few percent. "
+        + (f"Engine: {settings['engine_requests']} requests a probe, a fresh `preft serve --scheduler P` for each, at "
+           f"most {settings['capacity_probes']} probes a search starting from the simulator's capacity for the "
+           "policy (SLOWeave as a user starts it: `--tpot-ms` and no cost model file). "
+           if settings["engine_policies"] else "No engine runs. ")
+        + f"{found['rounds']} rounds, each a new "
+        "trace seed for the simulator and the engine alike; the ratio is per round. TPOT targets are multiples of "
+        "the workload's decode step at its batch size, TTFT 10x the step that prefills its p95 prompt.\n",
+        "![SLO capacity](goodput_capacity.png)\n",
+        slo_capacity.table(found), ""]
+    if fidelity_rows:
+        markdown += ["Simulator over engine on the same traces (median capacities):\n",
+                     "| workload | TPOT scale | policy: simulator / engine capacity | same ranking |",
+                     "|---|---|---|---|"]
+        for entry in fidelity_rows:
+            cells = "; ".join(f"{p} {v['simulated']:.2f} / {v['served']:.2f}" for p, v in entry["policies"].items())
+            markdown.append(f"| {entry['workload']} | {entry['tpot_scale']:g} | {cells} | "
+                            f"{'yes' if entry['same_ranking'] else 'no'} |")
+        markdown.append("")
+    settings["bundles"] = sorted(settings["bundles"])
+    result = {"command": command, "model": values["model"], "cost_model": cost_model, "machine": common.machine(),
+              "settings": settings, "capacity": found, "fidelity": fidelity_rows,
+              "wall_time_s": round(time.time() - started, 1)}
+    save_run(goodput_dir, "goodput_capacity", result, "\n".join(markdown), also=(figure,), json_name="goodput_capacity.json")
+    return result
+
+
 def add_arguments(parser) -> None:
     from preft.eval.results import add_flags
 
@@ -556,5 +609,11 @@ def add_arguments(parser) -> None:
         ("--adapters", int, "with N > 0: request i on LoRA-P adapter i %% N (random rank-16 bundles on the engine)"),
         ("--slots", int, "adapter slots with --adapters (engine --max-adapters, the simulator's max_loras; "
                          "0 = one per adapter)"),
+        ("--capacity", bool, "instead of goodput at fixed loads: each policy's SLO capacity (the highest rate with "
+                             ">= 90%% of requests within both targets), simulator (--policies, --workloads) and "
+                             "engine (--engine-policies on --engine-workload, --engine-rounds rounds)"),
+        ("--capacity-probes", int, "with --capacity: engine servers per search"),
+        ("--capacity-requests", int, "with --capacity: requests a simulator probe"),
+        ("--engine-tpot-scales", str, "with --capacity: the TPOT targets searched on the engine (default: all)"),
         ("--out", str, "results directory"),
     ])

@@ -156,6 +156,8 @@ def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
         found[markdown.stem] = (markdown, [f"{markdown.stem}.png"])
     if (root / "goodput" / "goodput.md").is_file():
         found["goodput"] = (root / "goodput" / "goodput.md", ["goodput_sim.png", "goodput_engine.png"])
+    if (root / "goodput" / "goodput_capacity.md").is_file():
+        found["goodput_capacity"] = (root / "goodput" / "goodput_capacity.md", ["goodput_capacity.png"])
     if (root / "prefix" / "prefix.md").is_file():
         found["prefix"] = (root / "prefix" / "prefix.md", ["prefix_orders.png", "conversations.png"])
     if (root / "pipeline" / "pipeline.md").is_file():

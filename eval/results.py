@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def command_line(name: str, function, values: dict[str, Any], always: tuple[str,
     def flag(key: str, value: Any) -> str:
         if isinstance(value, bool):  # a switch (add_flags): --x or --no-x
             return f"--{'' if value else 'no-'}{key.replace('_', '-')}"
-        return f"--{key.replace('_', '-')} {value}"
+        return f"--{key.replace('_', '-')} {shlex.quote(str(value))}"
 
     return " ".join([f"preft eval {name}", *(flag(k, v) for k, v in given)])
 

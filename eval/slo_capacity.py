@@ -1,0 +1,230 @@
+"""SLO capacity: the highest request rate at which a scheduling policy still meets its targets.
+
+    attainment(policy, rate) = requests finishing with TTFT <= ttft_target and TPOT <= tpot_target
+                               / requests offered (a failed request counts as missed)
+    capacity(policy)         = the highest Poisson rate with attainment >= ATTAINMENT (0.9)
+
+Goodput at one fixed rate cannot rank policies at loads where every policy serves all that is
+offered; the rate each can carry within its targets can (the DistServe and Sarathi-Serve papers'
+measure). The search (:func:`search`) takes a starting rate, steps by ``factor`` up while the
+policy meets the targets (down while it does not) until one rate meets and the next does not,
+then halves that bracket geometrically with the probes left. Every probe of a search serves a
+trace of the same seed (arrivals scaled to the rate), so attainment moves with the rate alone.
+
+- :func:`simulated` probes the simulator (:class:`~preft.serving.scheduling.simulator.Simulator`);
+- :func:`served` probes a fresh ``preft serve --scheduler P`` per rate, driven by ``vllm bench
+  serve`` at the trace's arrival times (:func:`preft.eval.common.serve_trace`), starting from the
+  simulator's capacity for that policy so that a few probes suffice.
+
+``preft eval goodput --capacity`` runs both (:mod:`preft.eval.goodput`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+#: The fraction of requests that must meet both targets.
+ATTAINMENT = 0.9
+
+
+def search(attainment_at: Callable[[float], float], start: float, probes: int, factor: float = 1.5) -> dict[str, Any]:
+    """The highest rate whose attainment is >= ATTAINMENT within ``probes`` calls of ``attainment_at``.
+
+    Returns ``capacity`` (the highest rate that met; 0.0 if none did), ``bracket`` (that rate and the
+    lowest rate above it that did not meet: ``None`` where no probe failed) and every probe."""
+    if probes < 1 or start <= 0 or factor <= 1:
+        raise ValueError("a capacity search needs probes >= 1, a start rate > 0 and a factor > 1")
+    seen: list[dict[str, float]] = []
+
+    def probe(rate: float) -> bool:
+        value = attainment_at(rate)
+        seen.append({"rate": rate, "attainment": value})
+        return value >= ATTAINMENT
+
+    met = probe(start)
+    low, high = (start, None) if met else (None, start)
+    while len(seen) < probes and (low is None or high is None):
+        if high is None:
+            rate = low * factor
+            low, high = (rate, None) if probe(rate) else (low, rate)
+        else:
+            rate = high / factor
+            low, high = (rate, high) if probe(rate) else (None, rate)
+    while len(seen) < probes and low is not None and high is not None:
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if probe(middle) else (low, middle)
+    return {"capacity": low or 0.0, "bracket": [low or 0.0, high], "probes": seen}
+
+
+def attainment(timings, offered: int, ttft_s: float, tpot_s: float) -> float:
+    from preft.serving.scheduling.metrics import meets
+
+    return sum(meets(t, ttft_s, tpot_s) for t in timings) / offered
+
+
+def simulated(cost_model, policy: str, kind: str, settings: dict, tpot_s: float, ttft_s: float, start: float,
+              seed: int, probes: int = 14) -> dict[str, Any]:
+    """The policy's SLO capacity in the simulator (``settings["capacity_requests"]`` a probe)."""
+    from preft.eval.common import simulate_policy
+    from preft.serving.scheduling import workloads
+
+    def at(rate: float) -> float:
+        work = workloads.generate(kind, settings["capacity_requests"], rate, seed=seed, max_model_len=settings["max_len"])
+        return attainment(simulate_policy(cost_model, policy, work, settings, tpot_s).timings, len(work), ttft_s, tpot_s)
+
+    return search(at, start, probes)
+
+
+def served(model_dir: str, policy_args: list[str], kind: str, settings: dict, tpot_s: float, ttft_s: float,
+           start: float, seed: int, probes: int, run_dir: Path, label: str) -> dict[str, Any]:
+    """The policy's SLO capacity on the engine: a fresh ``preft serve`` with ``policy_args`` per probe."""
+    from preft.eval.common import serve_trace
+    from preft.serving.scheduling import workloads
+
+    def at(rate: float) -> float:
+        work = workloads.generate(kind, settings["engine_requests"], rate, seed=seed, max_model_len=settings["max_len"])
+        trace = workloads.write_trace(work, run_dir / f"{label}-{rate:.3f}.trace.jsonl")
+        print(f"[capacity] {label}: {rate:.2f} req/s", flush=True)
+        timings, _ = serve_trace(model_dir, policy_args, trace, f"{label}-{rate:.3f}", run_dir, settings,
+                                 adapters=settings["bundles"], slots=settings["slots"])
+        value = attainment(timings, len(work), ttft_s, tpot_s)
+        print(f"[capacity] {label}: {rate:.2f} req/s -> {100 * value:.0f}% within the targets", flush=True)
+        return value
+
+    return search(at, start, probes)
+
+
+def policy_args(policy: str, tpot_s: float) -> list[str]:
+    """``preft serve`` arguments for ``policy`` as a user starts it (SLOWeave: its target, nothing else)."""
+    return ["--scheduler", policy] + (["--tpot-ms", f"{1e3 * tpot_s:.3f}"] if policy == "sloweave" else [])
+
+
+def best_fixed_ratio(capacities: dict[str, float]) -> float | None:
+    """SLOWeave's capacity over the best fixed chunk's (``fixed:N`` policies), or None."""
+    fixed = [value for policy, value in capacities.items() if policy.startswith("fixed:")]
+    if "sloweave" not in capacities or not fixed or max(fixed) <= 0:
+        return None
+    return capacities["sloweave"] / max(fixed)
+
+
+def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]:
+    """Every simulator policy on every workload and TPOT target, and every engine policy on the
+    engine workload at the engine's TPOT targets, ``rounds`` rounds (a new trace seed each)."""
+    import statistics
+
+    from preft.eval.common import capacity as throughput_capacity
+    from preft.eval.goodput import targets
+
+    rounds = max(1, settings["engine_rounds"])
+    run_dir = out / "capacity"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for kind in settings["workloads"]:
+        rate0 = throughput_capacity(cost_model, kind, settings)
+        scale = targets(cost_model, kind, rate0, settings)
+        for tpot_scale in settings["tpot_scales"]:
+            tpot = tpot_scale * scale["decode_step_s"]
+            engine_here = kind == settings["engine_workload"] and tpot_scale in settings["engine_tpot_scales"]
+            for round_index in range(rounds):
+                seed = 100 + round_index
+                policies = settings["policies"] + [p for p in settings["engine_policies"] if p not in settings["policies"]]
+                for policy in policies:
+                    sim = simulated(cost_model, policy, kind, settings, tpot, scale["ttft_s"], rate0, seed)
+                    print(f"[capacity] simulator: {kind}, TPOT {1e3 * tpot:.1f} ms, round {round_index + 1}, "
+                          f"{policy}: {sim['capacity']:.2f} req/s", flush=True)
+                    row = {"workload": kind, "tpot_scale": tpot_scale, "tpot_ms": 1e3 * tpot,
+                           "ttft_ms": 1e3 * scale["ttft_s"], "round": round_index, "policy": policy,
+                           "throughput_capacity": rate0, "simulated": sim["capacity"], "simulated_search": sim,
+                           "served": None}
+                    if engine_here and policy in settings["engine_policies"] and sim["capacity"] > 0:
+                        label = f"{kind}-t{tpot_scale:g}-r{round_index}-{policy.replace(':', '')}"
+                        engine = served(model_dir, policy_args(policy, tpot), kind, settings, tpot, scale["ttft_s"],
+                                        sim["capacity"], seed, settings["capacity_probes"], run_dir, label)
+                        row.update(served=engine["capacity"], served_search=engine)
+                    rows.append(row)
+    summary = []
+    for kind in settings["workloads"]:
+        for tpot_scale in settings["tpot_scales"]:
+            here = [r for r in rows if r["workload"] == kind and r["tpot_scale"] == tpot_scale]
+            for source in ("simulated", "served"):
+                per_round = [{r["policy"]: r[source] for r in here if r["round"] == i and r[source] is not None}
+                             for i in range(rounds)]
+                if not any(per_round):
+                    continue
+                ratios = [ratio for ratio in map(best_fixed_ratio, per_round) if ratio is not None]
+                entry = {"workload": kind, "tpot_scale": tpot_scale, "tpot_ms": here[0]["tpot_ms"],
+                         "ttft_ms": here[0]["ttft_ms"], "source": source, "policies": {},
+                         "sloweave_vs_best_fixed": statistics.median(ratios) if ratios else None,
+                         "sloweave_vs_best_fixed_range": [min(ratios), max(ratios)] if ratios else None}
+                for policy in dict.fromkeys(r["policy"] for r in here if r[source] is not None):
+                    values = [c[policy] for c in per_round if policy in c]
+                    entry["policies"][policy] = {"median": statistics.median(values), "range": [min(values), max(values)]}
+                summary.append(entry)
+    return {"rounds": rounds, "rows": rows, "summary": summary}
+
+
+def table(result: dict[str, Any]) -> str:
+    """The capacity table: simulator and engine side by side, SLOWeave over the best fixed chunk."""
+    lines = ["| workload | TPOT target (ms) | where | " + "policy: SLO capacity, median [range] (req/s) | "
+             "SLOWeave / best fixed, median [range] |", "|---|---|---|---|---|"]
+    for entry in result["summary"]:
+        cells = "; ".join(f"{policy} {v['median']:.2f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"
+                          for policy, v in entry["policies"].items())
+        ratio = entry["sloweave_vs_best_fixed"]
+        ratio_text = (f"{ratio:.2f}x [{entry['sloweave_vs_best_fixed_range'][0]:.2f}-"
+                      f"{entry['sloweave_vs_best_fixed_range'][1]:.2f}]" if ratio is not None else "-")
+        where = "engine" if entry["source"] == "served" else "simulator"
+        lines.append(f"| {entry['workload']} | {entry['tpot_ms']:.1f} | {where} | {cells} | {ratio_text} |")
+    return "\n".join(lines)
+
+
+def fidelity(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (workload, target, policy) run on the engine: the simulator's capacity on the same traces
+    over the engine's (median over rounds), and whether the policies rank the same in both."""
+    import statistics
+
+    out = []
+    served_rows = [r for r in result["rows"] if r["served"] is not None]
+    for key in dict.fromkeys((r["workload"], r["tpot_scale"]) for r in served_rows):
+        here = [r for r in served_rows if (r["workload"], r["tpot_scale"]) == key]
+        by_policy = {}
+        for policy in dict.fromkeys(r["policy"] for r in here):
+            mine = [r for r in here if r["policy"] == policy]
+            by_policy[policy] = {"served": statistics.median(r["served"] for r in mine),
+                                 "simulated": statistics.median(r["simulated"] for r in mine)}
+        rank = lambda source: sorted(by_policy, key=lambda p: -by_policy[p][source])  # noqa: E731
+        out.append({"workload": key[0], "tpot_scale": key[1], "policies": by_policy,
+                    "gap": {p: v["simulated"] / v["served"] - 1 if v["served"] else None for p, v in by_policy.items()},
+                    "same_ranking": rank("served") == rank("simulated")})
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """SLO capacity per policy: bars for the engine (median, range), markers for the simulator."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((e["workload"], e["tpot_ms"]) for e in result["summary"]))
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups), 3.6), squeeze=False)
+    for ax, (kind, tpot_ms) in zip(axes[0], groups):
+        entries = {e["source"]: e for e in result["summary"] if (e["workload"], e["tpot_ms"]) == (kind, tpot_ms)}
+        policies = list(entries["simulated"]["policies"])
+        for index, policy in enumerate(policies):
+            sim = entries["simulated"]["policies"][policy]
+            ax.plot(index, sim["median"], "k_", markersize=14)
+            engine = entries.get("served", {}).get("policies", {}).get(policy)
+            if engine:
+                ax.bar(index, engine["median"], 0.6, yerr=[[engine["median"] - engine["range"][0]],
+                                                          [engine["range"][1] - engine["median"]]], capsize=3)
+        ax.set_xticks(range(len(policies)), policies, rotation=30, fontsize=7)
+        ax.set_title(f"{kind}, TPOT {tpot_ms:.0f} ms", fontsize=9)
+        ax.set_ylabel("SLO capacity (req/s)", fontsize=8)
+    fig.suptitle(f"highest rate with >= {ATTAINMENT:.0%} of requests within both targets "
+                 "(bars: engine; -: simulator)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,70 @@
+"""SLO capacity (`preft eval goodput --capacity`): the search, and a simulator run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from preft.eval import slo_capacity
+
+
+def step_at(threshold: float):
+    calls = []
+
+    def attainment(rate: float) -> float:
+        calls.append(rate)
+        return 1.0 if rate <= threshold else 0.5
+
+    return attainment, calls
+
+
+@pytest.mark.parametrize("start", [0.2, 3.0, 50.0])
+def test_the_search_brackets_the_capacity_from_below_or_above(start):
+    attainment, calls = step_at(3.7)
+    found = slo_capacity.search(attainment, start, probes=14)
+    low, high = found["bracket"]
+    assert len(calls) == 14 and low <= 3.7 < high and found["capacity"] == low
+    assert high / low < 1.02  # 14 probes narrow a factor-1.5 bracket to about 1%
+    assert [p["rate"] for p in found["probes"]] == calls
+
+
+def test_the_search_reports_zero_when_no_rate_meets_and_none_above_when_every_rate_does():
+    never = slo_capacity.search(lambda rate: 0.0, 1.0, probes=4)
+    assert never["capacity"] == 0.0 and never["bracket"][1] == pytest.approx(1 / 1.5 ** 3)
+    always = slo_capacity.search(lambda rate: 1.0, 1.0, probes=4)
+    assert always["capacity"] == pytest.approx(1.5 ** 3) and always["bracket"][1] is None
+    exactly = slo_capacity.search(lambda rate: slo_capacity.ATTAINMENT, 1.0, probes=1)
+    assert exactly["capacity"] == 1.0  # at least 90% meets
+    with pytest.raises(ValueError, match="probes >= 1"):
+        slo_capacity.search(lambda rate: 1.0, 1.0, probes=0)
+
+
+def test_best_fixed_ratio_compares_sloweave_with_the_best_fixed_chunk_only():
+    assert slo_capacity.best_fixed_ratio({"fixed:64": 2.0, "fixed:256": 4.0, "default": 9.0, "sloweave": 5.0}) == 1.25
+    assert slo_capacity.best_fixed_ratio({"fixed:64": 2.0}) is None
+
+
+def test_goodput_capacity_in_the_simulator(tmp_path):
+    from preft.eval import goodput
+    from preft.serving.scheduling.cost_model import StepCostModel
+
+    cost = StepCostModel.synthetic().save(tmp_path / "cost.json")
+    result = goodput.main(model="default", cost_model=str(cost), workloads="mixed", policies="fixed:16,fixed:256,sloweave",
+                          tpot_scales="1.5,4", requests=200, capacity=True, capacity_requests=120, engine_policies="",
+                          engine_rounds=2, out=str(tmp_path))
+    found = result["capacity"]
+    assert found["rounds"] == 2 and len(found["rows"]) == 2 * 2 * 3
+    for row in found["rows"]:
+        search = row["simulated_search"]
+        assert row["served"] is None and row["simulated"] == search["capacity"]
+        met = [p["rate"] for p in search["probes"] if p["attainment"] >= slo_capacity.ATTAINMENT]
+        assert row["simulated"] == (max(met) if met else 0.0)
+    # a looser TPOT target is met at higher rates by every policy
+    for policy in ("fixed:16", "fixed:256", "sloweave"):
+        capacity = {e["tpot_scale"]: e["policies"][policy]["median"] for e in found["summary"]}
+        assert capacity[4] >= capacity[1.5]
+    markdown = (tmp_path / "goodput" / "goodput_capacity.md").read_text()
+    assert "| mixed |" in markdown and "SLOWeave / best fixed" in markdown
+    assert json.loads((tmp_path / "goodput" / "goodput_capacity.json").read_text())["command"].split().count("--capacity") == 1
+    assert (tmp_path / "goodput" / "goodput_capacity.png").stat().st_size > 1000
