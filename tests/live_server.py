@@ -64,6 +64,9 @@ def reference(adapters, base_path, tokenizer):
             out = model.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
             decoded = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
             texts.update({(name, p): t for p, t in zip(PROMPTS, decoded)})
+    # every adapter changes some prompt's text, so a server answering with another adapter (or none) fails
+    same_as_base = [n for n in [*ADAPTERS, *REFT_ADAPTERS] if all(texts[(n, p)] == texts[(None, p)] for p in PROMPTS)]
+    assert not same_as_base, f"adapters that change no prompt's greedy text: {same_as_base}"
     return texts
 
 

@@ -112,18 +112,22 @@ def test_names_are_unique_across_kinds_and_replacement_is_explicit(server, adapt
     status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": str(
         adapters / "user6.bundle")})
     assert status == 200, body
-    assert complete(server, "swap", PROMPTS[1]) == reference[("user6", PROMPTS[1])]
+    # a prompt on which the three weights this name serves give three texts: serving the wrong one fails
+    telling = [p for p in PROMPTS if len({reference[(name, p)] for name in (None, "user6", "reft1")}) == 3]
+    assert telling, "no prompt tells the base model, user6 and reft1 apart"
+    prompt = telling[0]
+    assert complete(server, "swap", prompt) == reference[("user6", prompt)]
     status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": reft_bundle,
                                                           "load_inplace": True})
     assert status == 200, body
     ids = [m.id for m in client(server).models.list().data]
     assert ids.count("swap") == 1 and len(ids) == len(set(ids))
-    for prompt in PROMPTS[:3]:
-        assert complete(server, "swap", prompt) == reference[("reft1", prompt)]
+    for p in (prompt, *PROMPTS[:3]):
+        assert complete(server, "swap", p) == reference[("reft1", p)]
     status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": str(
         adapters / "user6.bundle"), "load_inplace": True})
     assert status == 200, body
-    assert complete(server, "swap", PROMPTS[1]) == reference[("user6", PROMPTS[1])]
+    assert complete(server, "swap", prompt) == reference[("user6", prompt)]
     ids = [m.id for m in client(server).models.list().data]
     assert ids.count("swap") == 1
 
@@ -134,13 +138,15 @@ def test_a_bundle_deleted_or_rewritten_after_loading_changes_nothing(server, ada
     engine nor turns a LoRA-P adapter all-token, and a bundle re-exported in place and loaded
     under a new name serves its new weights while the old name keeps the old ones."""
 
+    texts = {name: [reference[(name, p)] for p in PROMPTS] for name in (None, "reft0", "reft1", "user2")}
+    assert len({tuple(t) for t in texts.values()}) == 4  # the answers below tell which weights served them
     for kind, source in (("reft", "reft0"), ("lora", "user2")):
         shutil.copytree(adapters / f"{source}.bundle", adapters / f"doomed_{kind}")
         status, body = post(server, "/v1/load_lora_adapter", {"lora_name": f"doomed_{kind}",
                                                               "lora_path": str(adapters / f"doomed_{kind}")})
         assert status == 200, body
         shutil.rmtree(adapters / f"doomed_{kind}")
-        for prompt in PROMPTS[:2]:
+        for prompt in PROMPTS:
             assert complete(server, f"doomed_{kind}", prompt) == reference[(source, prompt)], (kind, prompt)
     shutil.copytree(adapters / "reft0.bundle", adapters / "swapped")
     assert post(server, "/v1/load_lora_adapter", {"lora_name": "before",
@@ -149,7 +155,7 @@ def test_a_bundle_deleted_or_rewritten_after_loading_changes_nothing(server, ada
     shutil.copytree(adapters / "reft1.bundle", adapters / "swapped")
     assert post(server, "/v1/load_lora_adapter", {"lora_name": "after",
                                                   "lora_path": str(adapters / "swapped")})[0] == 200
-    for prompt in PROMPTS[:2]:
+    for prompt in PROMPTS:
         assert complete(server, "before", prompt) == reference[("reft0", prompt)]
         assert complete(server, "after", prompt) == reference[("reft1", prompt)]
 

@@ -70,15 +70,25 @@ def serve_under(parallel: dict, base_path: str, tokenizer, root) -> None:
     engine = {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "max_model_len": 256, "max_num_seqs": 20,
               "num_gpu_blocks_override": 8, "disable_log_stats": False, **parallel}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PREFT_SCHEDULER": '{"name": "fixed:128"}'}
+    if parallel.get("pipeline_parallel_size", 1) > 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in process: the test switches its scheduler
     with EngineProcess(base_path, engine, env=env, log_path=root / "engine.log") as driver:
         tokens = driver.generate(requests, NEW_TOKENS)["tokens"]
         again = driver.generate(requests, NEW_TOKENS)["tokens"]  # the shared prompts hit the prefix cache
         metrics = driver.metrics()
+        if parallel.get("pipeline_parallel_size", 1) > 1:  # WavePP sizes chunks for the stages: tokens unchanged
+            driver.reset_prefix_cache()
+            assert driver.set_scheduler({"name": "wavepp", "min_chunk": 16})["scheduler"] == "wavepp"
+            wavepp = driver.generate(requests, NEW_TOKENS)["tokens"]
+            assert wavepp == reference, [i for i, (a, b) in enumerate(zip(wavepp, reference)) if a != b]
     mismatches = [i for i, (got, want) in enumerate(zip(tokens, reference)) if got != want]
     assert not mismatches, f"{parallel}: requests {mismatches} differ from HF"
     assert again == tokens
     assert metrics["prefix_hits"] > 0 and metrics["preemptions"] > 0, metrics
-    assert len({tuple(t) for t in reference}) > 4, "the reference tokens should differ across requests"
+    # each adapter changes its requests' tokens, so serving another adapter (or none) would fail above
+    base_tokens = [hf_greedy(models[None], tokenizer, r["prompt"], NEW_TOKENS) for r in requests]
+    changed = {NAMES[i % 4] for i, (want, base) in enumerate(zip(reference, base_tokens)) if want != base}
+    assert changed == set(NAMES[1:]), f"adapters that change no request's tokens: {set(NAMES[1:]) - changed}"
 
 
 @pytest.mark.slow
