@@ -202,29 +202,36 @@ def fidelity(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """SLO capacity per policy: bars for the engine (median, range), markers for the simulator."""
+    """SLO capacity per policy, median and range over rounds: bars for the engine and markers for
+    the simulator, or bars for the simulator where no engine ran."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = list(dict.fromkeys((e["workload"], e["tpot_ms"]) for e in result["summary"]))
+    served = any(e["source"] == "served" for e in result["summary"])
     fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups), 3.6), squeeze=False)
     for ax, (kind, tpot_ms) in zip(axes[0], groups):
         entries = {e["source"]: e for e in result["summary"] if (e["workload"], e["tpot_ms"]) == (kind, tpot_ms)}
         policies = list(entries["simulated"]["policies"])
         for index, policy in enumerate(policies):
             sim = entries["simulated"]["policies"][policy]
-            ax.plot(index, sim["median"], "k_", markersize=14)
             engine = entries.get("served", {}).get("policies", {}).get(policy)
-            if engine:
-                ax.bar(index, engine["median"], 0.6, yerr=[[engine["median"] - engine["range"][0]],
-                                                          [engine["range"][1] - engine["median"]]], capsize=3)
+            bar = engine if served else sim
+            if served:
+                ax.plot(index, sim["median"], "k_", markersize=14)
+            if bar:
+                ax.bar(index, bar["median"], 0.6, yerr=[[bar["median"] - bar["range"][0]],
+                                                        [bar["range"][1] - bar["median"]]], capsize=3,
+                       color="tab:orange" if policy == "sloweave" else "tab:blue")
         ax.set_xticks(range(len(policies)), policies, rotation=30, fontsize=7)
         ax.set_title(f"{kind}, TPOT {tpot_ms:.0f} ms", fontsize=9)
         ax.set_ylabel("SLO capacity (req/s)", fontsize=8)
+        ax.set_ylim(bottom=0)
+    where = "bars: engine; -: simulator" if served else "simulator, no engine runs"
     fig.suptitle(f"highest rate with >= {ATTAINMENT:.0%} of requests within both targets "
-                 "(bars: engine; -: simulator)", fontsize=9)
+                 f"({where}; median and range over rounds)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
