@@ -137,3 +137,20 @@ def greedy(model, adapter: Adapter | None, prompt_ids: list[int], new_tokens: in
         logits[list(never)] = -math.inf
         tokens.append(int(logits.argmax()))
     return tokens[len(prompt_ids):]
+
+
+def greedy_each(model, adapter_dirs: dict, cases: list[tuple], new_tokens: int,
+                never: tuple[int, ...] = ()) -> list[list[int]]:
+    """:func:`greedy` for each ``(adapter name or None, prompt ids)`` case, ``adapter_dirs[name]``
+    the saved adapter; one adapter's hooks are on ``model`` at a time, removed afterwards."""
+    answers: list = [None] * len(cases)
+    for name in dict.fromkeys(case[0] for case in cases):
+        hooks = Adapter(model, adapter_dirs[name]) if name is not None else None
+        try:
+            for index, (case_name, ids) in enumerate(cases):
+                if case_name == name:
+                    answers[index] = greedy(model, hooks, ids, new_tokens, never=never)
+        finally:
+            if hooks is not None:
+                hooks.remove()
+    return answers

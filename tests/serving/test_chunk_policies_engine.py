@@ -28,6 +28,7 @@ from conftest import hf_greedy, load_base, strengthen_reft
 from preft.constants import ALL_PROJECTIONS
 from preft.data import pretraining_corpus
 from preft.export import export_adapter
+from reference.independent import greedy_each
 from preft.eval.harness.engine_driver import EngineProcess
 from preft.serving.scheduling.cost_model import StepCostModel
 from preft.serving.scheduling.online_cost_model import OnlineCostModel
@@ -68,6 +69,10 @@ def batch(tmp_path_factory, base_path, tokenizer):
             entry["lora"] = [name, 1 + list(CONFIGS).index(name), bundles[name]]
         driver_requests.append(entry)
     reference = [hf_greedy(models[name], tokenizer, prompt, NEW_TOKENS) for prompt, name in requests]
+    # the HF reference is the rule's: it equals the independent one (tests/reference)
+    cases = [(name, tokenizer(prompt)["input_ids"]) for prompt, name in requests]
+    assert greedy_each(load_base(base_path), {n: root / n for n in CONFIGS}, cases, NEW_TOKENS,
+                       never=(tokenizer.eos_token_id,)) == reference
     cost_models = {"synthetic": str(StepCostModel.synthetic().save(root / "synthetic_cost.json")),
                    # 10 ms per prefill token, nothing else: at a 500 ms TPOT about 49 tokens fit
                    "per_token": str(StepCostModel([0, 0, 0, 0, 0.01, 0, 0, 0]).save(root / "per_token_cost.json"))}

@@ -19,6 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import preft
 from conftest import greedy_ids, load_base, strengthen_reft
 from preft.export import export_adapter
+from reference.independent import greedy_each
 from preft.eval.harness.engine_driver import EngineProcess
 
 TURN1_TOKENS, TURN2_TOKENS = 200, 8
@@ -82,7 +83,7 @@ def _conversation(engine, bundles, tokenizer, name, opening):
 
 
 @pytest.mark.slow
-def test_turn_two_equals_the_rule_and_right_reuse_still_hits(conversation_setup, tokenizer, engine):
+def test_turn_two_equals_the_rule_and_right_reuse_still_hits(conversation_setup, tokenizer, engine, base_path):
     root, models, bundles = conversation_setup
     for name in [None, *ADAPTERS]:
         for opening in OPENINGS:
@@ -90,6 +91,9 @@ def test_turn_two_equals_the_rule_and_right_reuse_still_hits(conversation_setup,
             assert answer == greedy_ids(models[name], turn1, TURN1_TOKENS), (name, "turn 1")
             expected = greedy_ids(models[name], turn2, TURN2_TOKENS)
             assert twice == [expected, expected], (name, len(turn1))  # asked again: the same tokens
+            # turn 2's P covers turn 1's answer: the independent reference (tests/reference) agrees
+            assert greedy_each(load_base(base_path), {name: root / str(name)}, [(name, turn2)], TURN2_TOKENS,
+                               never=(tokenizer.eos_token_id,)) == [expected], (name, "independent")
             # right reuse still hits: the base model and the all-token adapter reuse every block turn 1
             # left (its decoded ones too); a prefill-only adapter only the blocks wholly inside turn 1's
             # prompt. The second ask hits all it can (a hit leaves at least one token to compute).

@@ -26,6 +26,7 @@ from conftest import hf_greedy, load_base, strengthen_reft
 from preft.constants import ALL_PROJECTIONS
 from preft.data import pretraining_corpus
 from preft.export import export_adapter
+from reference.independent import greedy_each
 from preft.models import random_llama
 from preft.eval.harness.engine_driver import EngineProcess
 
@@ -67,6 +68,10 @@ def serve_under(parallel: dict, base_path: str, tokenizer, root) -> None:
         name = NAMES[index % 4]
         requests.append({"prompt": prompt, **entries[name]})
         reference.append(hf_greedy(models[name], tokenizer, prompt, NEW_TOKENS))
+    # the HF reference is the rule's: it equals the independent one (tests/reference)
+    cases = [(NAMES[i % 4], tokenizer(r["prompt"])["input_ids"]) for i, r in enumerate(requests)]
+    assert greedy_each(load_base(base_path), {n: root / n for n in NAMES[1:]}, cases, NEW_TOKENS,
+                       never=(tokenizer.eos_token_id,)) == reference
     engine = {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "max_model_len": 256, "max_num_seqs": 20,
               "num_gpu_blocks_override": 8, "disable_log_stats": False, **parallel}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PREFT_SCHEDULER": '{"name": "fixed:128"}'}
