@@ -50,7 +50,11 @@ def test_plan_simulates_every_part_on_a_named_gpu_without_vllm_or_trl(tmp_path):
     wave = result["wavepp"]
     assert {(r["stages"], r["handoff_ms"], r["cached"]) for r in wave} == {
         (s, h, c) for s in (4, 8) for h in (0.0, 1.0, 3.0) for c in (0, 2048)}
-    assert all(r["wavepp_vs_best"] > 0.5 and 0 <= r["best_fixed_bubble"] < 1 for r in wave)
+    assert all(0 <= r["best_fixed_bubble"] < 1 for r in wave)
+    # planning with the true stage cost, WavePP is never slower than the best fixed chunk, and with a
+    # free hand-off (small chunks cheap) its equal-time waves are faster on every case
+    assert all(r["wavepp_vs_best"] >= 0.999 for r in wave), [r["wavepp_vs_best"] for r in wave]
+    assert all(r["wavepp_vs_best"] > 1.01 for r in wave if r["handoff_ms"] == 0.0)
     # a costlier hand-off makes small chunks dear: the best fixed chunk grows with it
     assert max(r["best_fixed"] for r in wave if r["handoff_ms"] == 3.0) >= max(r["best_fixed"] for r in wave
                                                                                if r["handoff_ms"] == 0.0)
