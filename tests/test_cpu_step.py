@@ -104,12 +104,12 @@ def test_head_on_labelled_positions_scores_fewer_rows_for_the_same_loss_and_grad
             torch.testing.assert_close(labelled, every, rtol=1e-5, atol=1e-6)
 
 
-def sft_trainer(tmp_path, name, fast_cpu_step, **args):
+def sft_trainer(tmp_path, name, fast_cpu_step, peft_config=None, **args):
     rows = preft.data.user_examples(0, 24)
     config = SFTConfig(output_dir=str(tmp_path / name), report_to="none", use_cpu=True, max_steps=3,
                        per_device_train_batch_size=8, logging_steps=1, learning_rate=1e-2, seed=0, **args)
     return PreftSFTTrainer(model=preft.DEFAULT_BASE_MODEL, args=config, train_dataset=Dataset.from_list(rows),
-                           peft_config=preft.PreftLoraConfig(r=8, target_modules="all-linear"),
+                           peft_config=peft_config or preft.PreftLoraConfig(r=8, target_modules="all-linear"),
                            fast_cpu_step=fast_cpu_step)
 
 
@@ -136,3 +136,11 @@ def test_fast_cpu_step_under_bf16_autocast_with_gradient_checkpointing(tmp_path)
     assert got == pytest.approx(expected, rel=0.02)  # bf16 rounding differs where the casts are
     layers = [m for m in fast.model.modules() if hasattr(m, "cast_input_dtype_enabled")]
     assert layers and all(m.cast_input_dtype_enabled for m in layers)
+
+
+def test_fast_cpu_step_under_bf16_autocast_trains_a_reft_p_adapter(tmp_path):
+    """The fast step's input-cast switch covers ReFT-P layers too (the tour trains a LoReFT-P user)."""
+    reft = lambda: preft.PreftReftConfig(rank=4, layers=[0, 2])  # noqa: E731
+    expected = losses(sft_trainer(tmp_path, "trl", fast_cpu_step=False, peft_config=reft(), bf16=True))
+    got = losses(sft_trainer(tmp_path, "fast", fast_cpu_step=True, peft_config=reft(), bf16=True))
+    assert len(got) == 3 and got == pytest.approx(expected, rel=0.02)

@@ -78,6 +78,9 @@ class ReftLayer(nn.Module, BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters = []
         self._active_adapter = adapter_name
+        # PEFT's disable_input_dtype_casting switches this on every tuner layer; the edit casts the
+        # hidden state to its own weights' dtype itself, so the flag has nothing to switch here
+        self.cast_input_dtype_enabled: bool = True
         self.update_layer(adapter_name, config)
 
     def update_layer(self, adapter_name: str, config) -> None:
