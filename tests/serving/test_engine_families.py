@@ -26,6 +26,7 @@ from engine_pool import shared_pool
 from family_models import FAMILY_NAMES, family_dir, load_family_model, load_family_tokenizer
 from preft.data import pretraining_corpus
 from preft.export import export_adapter
+from reference.independent import greedy_each
 
 NEW_TOKENS = 24
 SHORT_PROMPTS = ["add 12 35 =", "reverse 3 1 4 1 5 9 2 6 = and some words past the sliding window"]
@@ -78,6 +79,13 @@ def test_family_serves_lora_p_and_reft_p_token_exact(family, tmp_path):
     # the control has teeth: on every prompt the all-token LoRA answers otherwise than LoRA-P
     assert all(reference["lora_p", i] != reference["lora_all_token", i] for i in range(len(prompts)))
     assert any(reference["reft_p", i] != reference[None, i] for i in range(len(prompts)))
+    # the HF reference is the rule's on this family too: it equals the independent one (tests/reference)
+    cases = [(name, ids) for name in ("lora_p", "reft_p") for ids in prompts]
+    plain = load_family_model(path)
+    eos = plain.generation_config.eos_token_id  # what generate(min_new_tokens=...) never picks
+    never = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+    independent = greedy_each(plain, {n: tmp_path / n for n in ("lora_p", "reft_p")}, cases, NEW_TOKENS, never=never)
+    assert independent == [reference[name, i] for name in ("lora_p", "reft_p") for i in range(len(prompts))], family
 
     pool = shared_pool()
 
