@@ -43,7 +43,7 @@ test: install
 	WANDB_MODE=offline $(BIN)/python -m pytest -q --durations=15 tests
 
 # The real-model tier: conversion, engine parity with HF and chat on SmolLM2-135M-Instruct and
-# Gemma 3 270M (about 9 minutes on 2 cores, the models prepared).
+# Gemma 3 270M, the tour and the precision benchmark (about 14 minutes on 2 cores, the models prepared).
 test-real: models
 	WANDB_MODE=offline $(BIN)/python -m pytest -q -m real_model tests/real_model
 
