@@ -105,8 +105,8 @@ class Engine:
         self.reft = bool(settings.get("reft"))
         self.bundles = spec["reft_bundles"] if self.reft else spec["bundles"] if settings["lora"] else []
         self.prompts, self.output_tokens = spec["prompts"], spec["output_tokens"]
-        # 1 GiB of KV holds every benchmark batch (64 x 96 tokens of SmolLM2 take 0.3 GiB in float32);
-        # five engines with 2 GiB each and 65 float32 LoRA slots of a real model outgrow a 24 GiB machine.
+        # 1 GiB of KV holds every batch of this bench (64 x 96 tokens of SmolLM2: 0.3 GiB in float32);
+        # more would only take memory from the five engines that run side by side.
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PREFT_REFT_SLOTS": str(slots), **settings["env"]}
         self.engine = EngineProcess(spec["model"], engine, env=env, log_path=tmp / f"{name.replace(' ', '_')}.log")
 

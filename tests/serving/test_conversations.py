@@ -92,7 +92,7 @@ def test_turn_two_equals_the_rule_and_right_reuse_still_hits(conversation_setup,
             expected = greedy_ids(models[name], turn2, TURN2_TOKENS)
             assert twice == [expected, expected], (name, len(turn1))  # asked again: the same tokens
             # turn 2's P covers turn 1's answer: the independent reference (tests/reference) agrees
-            assert greedy_each(load_base(base_path), {name: root / str(name)}, [(name, turn2)], TURN2_TOKENS,
+            assert greedy_each(load_base(base_path), {n: root / n for n in ADAPTERS}, [(name, turn2)], TURN2_TOKENS,
                                never=(tokenizer.eos_token_id,)) == [expected], (name, "independent")
             # right reuse still hits: the base model and the all-token adapter reuse every block turn 1
             # left (its decoded ones too); a prefill-only adapter only the blocks wholly inside turn 1's

@@ -17,7 +17,7 @@ from conftest import hf_greedy, load_base, strengthen_reft
 from preft.constants import ALL_PROJECTIONS
 from preft.export import export_adapter
 from engine_pool import shared_pool
-from reference.independent import Adapter, greedy as independent_greedy
+from reference.independent import greedy_each
 
 NEW_TOKENS = 8
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 1 5 9 2 6 =", "the quiet", "a=7 b=2 c=9 d=4 ; c =", "sort 8 2 1 9 ="]
@@ -61,15 +61,9 @@ def requests_and_reference(bundles, base_path, tokenizer):
     assert any(t != base_tokens[r["prompt"]] for r, t in zip(requests, reference) if r["adapter"])
     # and the HF reference is the rule's: it equals the independent one (tests/reference), which
     # shares no code with the project, so a wrong rule cannot move the engine and this together
-    plain = load_base(base_path)
-    for name in {r["adapter"] for r in requests}:
-        hooks = Adapter(plain, bundles[name][0]) if name else None
-        for request, want in zip(requests, reference):
-            if request["adapter"] == name:
-                ids = tokenizer(request["prompt"])["input_ids"]
-                assert independent_greedy(plain, hooks, ids, NEW_TOKENS, never=(tokenizer.eos_token_id,)) == want
-        if hooks:
-            hooks.remove()
+    cases = [(r["adapter"], tokenizer(r["prompt"])["input_ids"]) for r in requests]
+    assert greedy_each(load_base(base_path), {name: dirs[0] for name, dirs in bundles.items()}, cases, NEW_TOKENS,
+                       never=(tokenizer.eos_token_id,)) == reference
     return requests, reference
 
 

@@ -13,7 +13,7 @@ from peft import PeftModel, get_peft_model
 
 import preft
 from conftest import hf_greedy, load_base, strengthen_reft
-from reference.independent import Adapter, greedy as independent_greedy
+from reference.independent import greedy_each
 from preft.export import export_adapter
 from test_engine_lora_p import NEW_TOKENS, PROMPTS, run_engine
 
@@ -50,14 +50,9 @@ def setup(tmp_path_factory, base_path, tokenizer):
     assert any(t != base[r["prompt"]] for r, t in zip(requests, reference) if r["reft"])
     # the HF reference equals the independent one (tests/reference), which shares no code with
     # the project: a wrong rule or formula cannot move the engine and this together
-    plain = load_base(base_path)
-    for name in ADAPTERS:
-        hooks = Adapter(plain, root / name)
-        for request, want in zip(requests, reference):
-            if request["adapter"] == name:
-                ids = tokenizer(request["prompt"])["input_ids"]
-                assert independent_greedy(plain, hooks, ids, NEW_TOKENS, never=(tokenizer.eos_token_id,)) == want
-        hooks.remove()
+    cases = [(r["adapter"], tokenizer(r["prompt"])["input_ids"]) for r in requests]
+    assert greedy_each(load_base(base_path), {name: root / name for name in ADAPTERS}, cases, NEW_TOKENS,
+                       never=(tokenizer.eos_token_id,)) == reference
     return requests, reference
 
 
