@@ -22,6 +22,7 @@ import preft
 from conftest import load_base, strengthen_reft
 from preft.eval.harness.server_process import start_server, stop_server
 from preft.export import export_adapter
+from reference.independent import greedy_each
 
 NEW_TOKENS = 6
 API_KEY = "test-key-7f3a"  # the server runs behind vLLM's --api-key
@@ -64,6 +65,13 @@ def reference(adapters, base_path, tokenizer):
             out = model.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
             decoded = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
             texts.update({(name, p): t for p, t in zip(PROMPTS, decoded)})
+    # the HF references equal the independent reference's (tests/reference: no code shared with preft)
+    names = [None, *ADAPTERS, *REFT_ADAPTERS]
+    cases = [(name, tokenizer(prompt)["input_ids"]) for name in names for prompt in PROMPTS]
+    independent = greedy_each(load_base(base_path), {name: adapters / name for name in names if name}, cases,
+                              NEW_TOKENS, never=(tokenizer.eos_token_id,))
+    for (name, _), prompt, tokens in zip(cases, PROMPTS * len(names), independent):
+        assert tokenizer.decode(tokens, skip_special_tokens=True) == texts[(name, prompt)], (name, prompt)
     # every adapter changes some prompt's text, so a server answering with another adapter (or none) fails
     same_as_base = [n for n in [*ADAPTERS, *REFT_ADAPTERS] if all(texts[(n, p)] == texts[(None, p)] for p in PROMPTS)]
     assert not same_as_base, f"adapters that change no prompt's greedy text: {same_as_base}"
