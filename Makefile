@@ -16,7 +16,7 @@ else
   EXTRA := cpu
 endif
 
-.PHONY: install models demo test test-real test-families bench eval docs gpu-check gpu-check-hf base-model clean
+.PHONY: install models demo test test-real test-families sglang test-sglang bench eval docs gpu-check gpu-check-hf base-model clean
 
 install: $(STAMP)
 
@@ -51,6 +51,37 @@ test-real: models
 # every family's engine path is in make test): about 10 minutes on 2 cores.
 test-families: install
 	WANDB_MODE=offline $(BIN)/python -m pytest -q -m family_servers tests/serving/test_family_server.py
+
+# SGLang 0.5.23 as the second engine, on a CPU, in its own venv (.venv-sglang: it pins other
+# versions than vLLM). PyPI has no CPU build of SGLang's kernels: SGLang runs its plain-torch
+# paths (--attention-backend torch_native) with a stand-in sgl_kernel (serving/sglang/standin).
+# Every package is pinned in serving/sglang/requirements-cpu.txt and installed with --no-deps
+# (SGLang's own metadata asks for torch 2.14.1 and CUDA packages it does not use on a CPU).
+SGL_VENV  := .venv-sglang
+SGL_BIN   := $(SGL_VENV)/bin
+SGL_STAMP := $(SGL_VENV)/.installed
+
+sglang: $(SGL_STAMP)
+
+$(SGL_STAMP): serving/sglang/requirements-cpu.txt serving/sglang/cpu_venv.py
+	test -x $(SGL_BIN)/python || $(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_BIN)/pip install --quiet --upgrade pip || echo "make sglang: could not upgrade pip; going on with $$($(SGL_BIN)/pip --version)"
+	$(SGL_BIN)/pip install --quiet torch==2.13.0 triton==3.9.0 2>$(SGL_VENV)/install.log \
+	  || $(SGL_BIN)/pip install --quiet torch==2.13.0 triton==3.9.0 --extra-index-url $(TORCH_INDEX) 2>>$(SGL_VENV)/install.log \
+	  || { tail -5 $(SGL_VENV)/install.log; echo "make sglang: pip could not install torch 2.13.0 (CPU build, on $(TORCH_INDEX))" >&2; exit 1; }
+	$(SGL_BIN)/pip install --quiet --no-deps -r serving/sglang/requirements-cpu.txt 2>>$(SGL_VENV)/install.log \
+	  || { tail -5 $(SGL_VENV)/install.log; echo "make sglang: pip could not install SGLang's pinned packages (serving/sglang/requirements-cpu.txt); the full log is $(SGL_VENV)/install.log" >&2; exit 1; }
+	$(SGL_BIN)/pip install --quiet --no-deps torchvision==0.28.0 2>>$(SGL_VENV)/install.log \
+	  || { tail -5 $(SGL_VENV)/install.log; echo "make sglang: pip could not install torchvision 0.28.0" >&2; exit 1; }
+	$(SGL_BIN)/pip install --quiet --no-deps -e . 2>>$(SGL_VENV)/install.log \
+	  || { tail -5 $(SGL_VENV)/install.log; echo "make sglang: pip could not install preft into $(SGL_VENV)" >&2; exit 1; }
+	$(SGL_BIN)/python serving/sglang/cpu_venv.py --check
+	touch $(SGL_STAMP)
+
+# SGLang's tier: the stand-in kernel against SGLang's own, preft serve --engine sglang, Feather
+# against FCFS on SGLang (token parity).
+test-sglang: install sglang
+	WANDB_MODE=offline $(BIN)/python -m pytest -q -m sglang tests/sglang
 
 # Side-by-side benchmarks; each writes docs/results/NAME.json and its section of docs/RESULTS.md.
 bench: install

@@ -69,6 +69,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                          "(already checked; vLLM loads them through the runtime-load check)"),
     "PREFT_SERVE_REFT": (lambda: json.loads(os.environ.get("PREFT_SERVE_REFT") or "{}"),
                          "set by `preft serve`: JSON {name: bundle dir} of the ReFT-P adapters given at start-up"),
+    "PREFT_SGLANG_PYTHON": (lambda: os.environ.get("PREFT_SGLANG_PYTHON") or os.path.join(
+                                os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-sglang", "bin",
+                                "python"),
+                            "FILE: the Python that runs SGLang for `preft serve --engine sglang` (default: the "
+                            "source tree's .venv-sglang, made by `make sglang`)"),
 }
 
 

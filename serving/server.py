@@ -260,6 +260,10 @@ def serve(args) -> int:
 
     from preft.real_models import resolve
 
+    if args.engine == "sglang":
+        from preft.serving.sglang.server import serve_sglang
+
+        return serve_sglang(args)
     base_dir = Path(resolve(args.model))
     if not (base_dir / "config.json").is_file():
         raise ValueError(f"base model not found (no config.json): {base_dir}")
@@ -319,6 +323,9 @@ def serve(args) -> int:
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                        help="the serving engine (default vllm; sglang: base models with PreFT's admission orders, "
+                             "after `make sglang`)")
     parser.add_argument("--model", default="default", help="base model: 'default' (the embedded model), a prepared real model's "
                         "name (preft models list; served under that name) or a model directory")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=BUNDLE",
@@ -391,4 +398,4 @@ def add_arguments(parser) -> None:
     parser.add_argument("--feather-max-wait-s", type=float, default=None,
                         help="Feather's age bound: no request is overtaken by one that arrived more than this "
                              "much later (seconds; default 10)")
-    parser.add_argument("vllm_args", nargs="*", help="after --: extra vLLM server arguments")
+    parser.add_argument("vllm_args", nargs="*", help="after --: extra engine server arguments (vLLM's, or SGLang's)")

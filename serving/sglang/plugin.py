@@ -1,0 +1,86 @@
+"""PreFT's SGLang plugin: entry point ``sglang.srt.plugins`` (``preft``), run by SGLang's
+``load_plugins()`` in each of its processes before the Scheduler is built (``preft serve
+--engine sglang`` sets ``SGLANG_PLUGINS=preft``, so no other plugin loads).
+
+With ``PREFT_SCHEDULER`` naming an admission order (``--scheduler feather``), two hooks go into
+SGLang's ``HookRegistry``, both AROUND:
+
+- ``Scheduler.get_new_batch_prefill``: SGLang admits from the requests the order picks, in its
+  order (:func:`.waiting_order.admit_in_order`);
+- ``Scheduler.run_batch``: each step's time goes to the order (:func:`.waiting_order.reward_step`).
+
+The order is the same object vLLM and the simulator run
+(:func:`preft.serving.scheduling.admission.admission_from_spec`), one per scheduler process.
+Each hooked internal is checked to exist first, so an SGLang release that moved one fails at
+start-up naming it (SGLang's own loader would only log the error and serve without the order).
+"""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+
+from preft import envs
+from preft.serving.scheduling.spec import SchedulerSpec
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+HOOKS = ("get_new_batch_prefill", "run_batch")
+#: the admission orders SGLang can run through the hooks (``fcfs``: SGLang's own queue, no hook)
+SGLANG_ADMISSIONS = ("fcfs", "feather")
+
+
+def sglang_internal(path: str):
+    """The object at ``path`` in SGLang, or a RuntimeError saying which internal moved."""
+    owner_path, _, name = path.rpartition(".")
+    try:
+        owner = pkgutil.resolve_name(owner_path)
+    except (ImportError, AttributeError) as err:
+        raise RuntimeError(f"SGLang internal {owner_path} moved ({err}): update preft.serving.sglang for this "
+                           "SGLang release") from None
+    if not hasattr(owner, name):
+        raise RuntimeError(f"SGLang internal {path} moved: update preft.serving.sglang for this SGLang release")
+    return getattr(owner, name)
+
+
+def waiting_order_of(scheduler, spec: SchedulerSpec):
+    """The scheduler's :class:`~.waiting_order.WaitingOrder`, made on first use."""
+    state = getattr(scheduler, "preft_waiting_order", None)
+    if state is None:
+        from preft.serving.scheduling.admission import admission_from_spec
+        from preft.serving.sglang.waiting_order import WaitingOrder
+
+        state = scheduler.preft_waiting_order = WaitingOrder(admission_from_spec(spec))
+        logger.info("preft: SGLang admits in %s order", spec.admission)
+    return state
+
+
+def register() -> None:
+    spec = SchedulerSpec.from_json(envs.PREFT_SCHEDULER)
+    if spec.admission not in SGLANG_ADMISSIONS:
+        raise ValueError(f"the {spec.admission} admission order does not run on SGLang "
+                         f"(it runs {', '.join(SGLANG_ADMISSIONS)})")
+    if spec.admission == "fcfs":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from preft.serving.sglang.waiting_order import admit_in_order, reward_step
+
+    try:
+        for name in HOOKS:
+            sglang_internal(f"{SCHEDULER}.{name}")
+    except RuntimeError as err:  # SystemExit passes SGLang's loader, which would log an Exception and go on
+        logger.critical("preft: %s", err)
+        raise SystemExit(f"preft: {err}") from None
+
+    def admit(original, scheduler, *args, **kwargs):
+        waiting_order_of(scheduler, spec)
+        return admit_in_order(original, scheduler, *args, **kwargs)
+
+    def reward(original, scheduler, *args, **kwargs):
+        waiting_order_of(scheduler, spec)
+        return reward_step(original, scheduler, *args, **kwargs)
+
+    HookRegistry.register(f"{SCHEDULER}.get_new_batch_prefill", admit, HookType.AROUND)
+    HookRegistry.register(f"{SCHEDULER}.run_batch", reward, HookType.AROUND)
