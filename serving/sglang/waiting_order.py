@@ -103,7 +103,7 @@ def admit_in_order(original, scheduler, *args, **kwargs):
         return original(scheduler, *args, **kwargs)
     finally:
         left = scheduler.waiting_queue  # picked but not placed (and anything SGLang put back)
-        for req in left:
+        for req in reversed(left):  # each goes back in front: the last first keeps their order
             if req.rid in state.taken:
                 state.not_placed(req)
         scheduler.waiting_queue = left + held_back
