@@ -117,13 +117,15 @@ def warm_up(url: str, models: list[str], rounds: int = 4) -> None:
 
 def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str, run_dir: Path,
                 settings: dict, vllm_extra: tuple[str, ...] = (), adapters: dict[str, str] | None = None,
-                slots: int = 0) -> tuple[list, list[dict]]:
+                slots: int = 0, engine: str = "vllm", env: dict[str, str] | None = None) -> tuple[list, list[dict]]:
     """``preft serve`` with ``policy_args`` (``--scheduler ...``) and the step trace on, driven by
     ``vllm bench serve --dataset-name timed_trace`` at ``trace``'s arrival times:
     ``(per-request timings, the engine's steps)``. The warm-up's steps are not kept.
     ``vllm_extra``: more vLLM arguments (e.g. ``--num-gpu-blocks-override N``). ``adapters``
     (name -> bundle): served with ``slots`` adapter slots (every adapter in host memory), request i
-    of the trace on the i % N-th (``--lora-assignment round-robin``)."""
+    of the trace on the i % N-th (``--lora-assignment round-robin``). ``engine="sglang"``: ``preft
+    serve --engine sglang``, ``settings``' batch limits as SGLang's flags and ``vllm_extra`` as more
+    of SGLang's (no step trace: the steps come back empty); ``env``: more of the server's environment."""
     adapters = adapters or {}
     if adapters:
         policy_args = [*policy_args, "--max-adapters", str(slots or len(adapters)), "--max-rank", "16",
@@ -135,10 +137,16 @@ def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str,
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     step_trace = run_dir / f"steps-{label}.jsonl"
     step_trace.unlink(missing_ok=True)
-    args = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(settings["max_len"]),
-            "--kv-cache-gib", "1", *policy_args, "--", "--max-num-seqs", str(settings["max_num_seqs"]),
-            "--max-num-batched-tokens", str(settings["max_num_batched_tokens"]), *vllm_extra]
-    proc, url, _ = start_server(args, run_dir / "logs" / f"server-{label}.log", env={"PREFT_STEP_TRACE": str(step_trace)})
+    if engine == "sglang":
+        args = ["--engine", "sglang", "--model", model_dir, "--dtype", "float32", "--max-model-len",
+                str(settings["max_len"]), *policy_args, "--", "--max-running-requests", str(settings["max_num_seqs"]),
+                "--chunked-prefill-size", str(settings["max_num_batched_tokens"]), *vllm_extra]
+    else:
+        args = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(settings["max_len"]),
+                "--kv-cache-gib", "1", *policy_args, "--", "--max-num-seqs", str(settings["max_num_seqs"]),
+                "--max-num-batched-tokens", str(settings["max_num_batched_tokens"]), *vllm_extra]
+    proc, url, _ = start_server(args, run_dir / "logs" / f"server-{label}.log",
+                                env={"PREFT_STEP_TRACE": str(step_trace), **(env or {})}, timeout_s=300)
     result_name = f"bench-{label}.json"
     try:
         warm_up(url, [model_dir], rounds=2)

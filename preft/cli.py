@@ -32,6 +32,8 @@ EVALS = {
                                          "GPU for the base model, PreFT and all-token, and the chunk policy to use"),
     "frontier": ("preft.eval.frontier", "held-out task accuracy against served throughput, a point per "
                                          "(method, rank), one plot per task (from eval loss --tasks and eval serve)"),
+    "sglang": ("preft.eval.sglang_scheduling", "Feather on SGLang against SGLang's FCFS, LPM and DFS-weight: "
+                                               "throughput, latency and scheduling CPU cost per admission pass"),
     "report": ("preft.eval.report", "every eval result in one report, and the accuracy/throughput figure"),
 }
 

@@ -69,6 +69,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                          "(already checked; vLLM loads them through the runtime-load check)"),
     "PREFT_SERVE_REFT": (lambda: json.loads(os.environ.get("PREFT_SERVE_REFT") or "{}"),
                          "set by `preft serve`: JSON {name: bundle dir} of the ReFT-P adapters given at start-up"),
+    "PREFT_SCHEDULING_COST": (lambda: os.environ.get("PREFT_SCHEDULING_COST") or None,
+                              "FILE: on SGLang, each scheduler process writes the time its admission passes spend "
+                              "ordering the waiting queue (SGLang's and PreFT's) and in model steps, as JSON "
+                              "(`preft eval sglang` reads it)"),
     "PREFT_SGLANG_PYTHON": (lambda: os.environ.get("PREFT_SGLANG_PYTHON") or os.path.join(
                                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-sglang", "bin",
                                 "python"),

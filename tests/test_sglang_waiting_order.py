@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from preft.serving.scheduling.admission import FirstComeFirstServed, make_admission
-from preft.serving.sglang.waiting_order import WaitingOrder, admit_in_order, reward_step
+from preft.serving.sglang.waiting_order import WaitingOrder, admit_in_order, reward
 
 
 def req(rid: str, tokens: list[int]):
@@ -112,8 +112,8 @@ def test_each_step_time_reaches_the_order(decode):
     scheduler.preft_waiting_order.order.reward = lambda *args: seen.append(args)
     batch = SimpleNamespace(reqs=[1, 2, 3], extend_num_tokens=40,
                             forward_mode=SimpleNamespace(is_decode=lambda: decode))
-    assert reward_step(lambda s, b: "result", scheduler, batch) == "result"
-    assert seen[0][0] == 3 and seen[0][1] >= 0 and seen[0][2] == (0 if decode else 40)
+    reward(scheduler, batch, 0.25)
+    assert seen == [(3, 0.25, 0 if decode else 40)]
 
 
 # ---------------------------------------------------------------- preft serve --engine sglang: refusals

@@ -7,7 +7,11 @@ SGLang's ``HookRegistry``, both AROUND:
 
 - ``Scheduler.get_new_batch_prefill``: SGLang admits from the requests the order picks, in its
   order (:func:`.waiting_order.admit_in_order`);
-- ``Scheduler.run_batch``: each step's time goes to the order (:func:`.waiting_order.reward_step`).
+- ``Scheduler.run_batch``: each step's time goes to the order (:func:`.waiting_order.reward`).
+
+With ``PREFT_SCHEDULING_COST=FILE`` (``preft eval sglang``) the same two hooks, and one on
+SGLang's ``SchedulePolicy.calc_priority``, count what scheduling costs
+(:mod:`.scheduling_cost`), under any policy.
 
 The order is the same object vLLM and the simulator run
 (:func:`preft.serving.scheduling.admission.admission_from_spec`), one per scheduler process.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import pkgutil
+import time
 
 from preft import envs
 from preft.serving.scheduling.spec import SchedulerSpec
@@ -27,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 HOOKS = ("get_new_batch_prefill", "run_batch")
+#: SGLang's own waiting-queue ordering (timed with PREFT_SCHEDULING_COST)
+POLICY_ORDER = "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority"
 #: the admission orders SGLang can run through the hooks (``fcfs``: SGLang's own queue, no hook)
 SGLANG_ADMISSIONS = ("fcfs", "feather")
 
@@ -61,26 +68,54 @@ def register() -> None:
     if spec.admission not in SGLANG_ADMISSIONS:
         raise ValueError(f"the {spec.admission} admission order does not run on SGLang "
                          f"(it runs {', '.join(SGLANG_ADMISSIONS)})")
-    if spec.admission == "fcfs":
-        return
+    feather, cost_file = spec.admission == "feather", envs.PREFT_SCHEDULING_COST
+    if not feather and not cost_file:
+        return  # SGLang's own queue, nothing measured: no hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from preft.serving.sglang.waiting_order import admit_in_order, reward_step
+    from preft.serving.sglang.scheduling_cost import SchedulingCost
+    from preft.serving.sglang.waiting_order import admit_in_order, reward
 
     try:
-        for name in HOOKS:
-            sglang_internal(f"{SCHEDULER}.{name}")
+        for target in (*(f"{SCHEDULER}.{name}" for name in HOOKS), POLICY_ORDER):
+            sglang_internal(target)
     except RuntimeError as err:  # SystemExit passes SGLang's loader, which would log an Exception and go on
         logger.critical("preft: %s", err)
         raise SystemExit(f"preft: {err}") from None
+    cost = SchedulingCost(cost_file) if cost_file else None
 
     def admit(original, scheduler, *args, **kwargs):
-        waiting_order_of(scheduler, spec)
-        return admit_in_order(original, scheduler, *args, **kwargs)
+        queued = len(scheduler.waiting_queue)  # a pass with nothing waiting orders nothing: not counted
+        if not feather:
+            result = original(scheduler, *args, **kwargs)
+            if queued:
+                cost.add(admissions=1)
+            return result
+        state = waiting_order_of(scheduler, spec)
+        before = state.own_s
+        result = admit_in_order(original, scheduler, *args, **kwargs)
+        if cost and queued:
+            cost.add(admissions=1, preft_order_s=state.own_s - before)
+        return result
 
-    def reward(original, scheduler, *args, **kwargs):
-        waiting_order_of(scheduler, spec)
-        return reward_step(original, scheduler, *args, **kwargs)
+    def run_batch(original, scheduler, batch, *args, **kwargs):
+        started = time.perf_counter()
+        result = original(scheduler, batch, *args, **kwargs)
+        step_s = time.perf_counter() - started
+        if feather:
+            waiting_order_of(scheduler, spec)
+            reward(scheduler, batch, step_s)
+        if cost:
+            cost.add(steps=1, step_s=step_s)
+        return result
+
+    def sglang_order(original, *args, **kwargs):
+        started = time.perf_counter()
+        result = original(*args, **kwargs)
+        cost.add(sglang_order_s=time.perf_counter() - started)
+        return result
 
     HookRegistry.register(f"{SCHEDULER}.get_new_batch_prefill", admit, HookType.AROUND)
-    HookRegistry.register(f"{SCHEDULER}.run_batch", reward, HookType.AROUND)
+    HookRegistry.register(f"{SCHEDULER}.run_batch", run_batch, HookType.AROUND)
+    if cost:
+        HookRegistry.register(POLICY_ORDER, sglang_order, HookType.AROUND)

@@ -14,7 +14,7 @@ Between calls the queue is SGLang's again (arrivals, aborts, retractions), so ea
 catches up with it: a new request ``arrive``\\ s (keyed by the chunk hashes of its prompt,
 :func:`~preft.serving.scheduling.chunked_hash_tree.chunk_keys`), a waiting one gone without
 running is ``remove``\\ d (aborted), a taken one back in the queue is ``requeue``\\ d (retracted),
-and a taken one neither running nor waiting ``finish``\\ es. :func:`reward_step` hands each
+and a taken one neither running nor waiting ``finish``\\ es. :func:`reward` hands each
 step's time to the order (Feather learns from decode steps).
 
 The order never changes tokens: which requests share a batch, not what any of them computes.
@@ -38,6 +38,7 @@ class WaitingOrder:
         self.waiting: dict[str, float] = {}  # rid -> arrival time, as the order knows it waiting
         self.taken: dict[str, float] = {}  # rid -> arrival time, picked (in the working set)
         self.keys: dict[str, list] = {}
+        self.own_s = 0.0  # time spent ordering, outside SGLang's own call
 
     def _keys(self, req) -> list:
         if req.rid not in self.keys:
@@ -89,7 +90,13 @@ def running_request_ids(scheduler) -> set[str]:
 
 def admit_in_order(original, scheduler, *args, **kwargs):
     """AROUND hook on ``Scheduler.get_new_batch_prefill``: SGLang admits from the requests the
-    scheduler's :class:`WaitingOrder` picks, in its order; the rest wait for a later step."""
+    scheduler's :class:`WaitingOrder` picks, in its order; the rest wait for a later step. The
+    hook's own time (not SGLang's call) is added to the order's ``own_s``. With nothing waiting
+    the pass is SGLang's alone (its loop asks on every turn, idle ones included); the order
+    catches up with finished requests at the next pass that has a request to place."""
+    if not scheduler.waiting_queue:
+        return original(scheduler, *args, **kwargs)
+    started = time.perf_counter()
     state: WaitingOrder = scheduler.preft_waiting_order
     running_batch = args[0] if args else kwargs["running_batch"]
     now = time.monotonic()
@@ -99,20 +106,20 @@ def admit_in_order(original, scheduler, *args, **kwargs):
     chosen = set(picked)
     held_back = [req for req in scheduler.waiting_queue if req.rid not in chosen]
     scheduler.waiting_queue = [by_rid[rid] for rid in picked]
+    state.own_s += time.perf_counter() - started
     try:
         return original(scheduler, *args, **kwargs)
     finally:
+        started = time.perf_counter()
         left = scheduler.waiting_queue  # picked but not placed (and anything SGLang put back)
         for req in reversed(left):  # each goes back in front: the last first keeps their order
             if req.rid in state.taken:
                 state.not_placed(req)
         scheduler.waiting_queue = left + held_back
+        state.own_s += time.perf_counter() - started
 
 
-def reward_step(original, scheduler, batch, *args, **kwargs):
-    """AROUND hook on ``Scheduler.run_batch``: the step's time to the order."""
-    start = time.perf_counter()
-    result = original(scheduler, batch, *args, **kwargs)
+def reward(scheduler, batch, step_s: float) -> None:
+    """A step's time to the order (Feather learns from decode steps only)."""
     prefill_tokens = 0 if batch.forward_mode.is_decode() else int(batch.extend_num_tokens or 0)
-    scheduler.preft_waiting_order.order.reward(len(batch.reqs), time.perf_counter() - start, prefill_tokens)
-    return result
+    scheduler.preft_waiting_order.order.reward(len(batch.reqs), step_s, prefill_tokens)
