@@ -150,7 +150,7 @@ def main(out: str = "runs/eval", write_docs: bool = False, docs_dir: str | None 
 
 def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
     """``name -> (markdown, its figures)`` for ``eval profile`` (one per model), ``eval goodput``,
-    ``eval prefix``, ``eval pipeline``, ``eval plan`` and ``eval capacity``."""
+    ``eval prefix``, ``eval pipeline``, ``eval plan``, ``eval capacity`` and ``eval sglang``."""
     found = {}
     for markdown in sorted((root / "profile").glob("profile_*.md")):
         found[markdown.stem] = (markdown, [f"{markdown.stem}.png"])
@@ -166,6 +166,8 @@ def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
         found[markdown.parent.name] = (markdown, sorted(p.name for p in markdown.parent.glob("plan_*.png")))
     if (root / "capacity" / "capacity.md").is_file():
         found["capacity"] = (root / "capacity" / "capacity.md", [])
+    if (root / "sglang" / "sglang.md").is_file():
+        found["sglang"] = (root / "sglang" / "sglang.md", ["sglang_orders.png"])
     return {name: (markdown, [p for p in pictures if (markdown.parent / p).is_file()])
             for name, (markdown, pictures) in found.items()}
 
