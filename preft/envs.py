@@ -73,6 +73,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                               "FILE: on SGLang, each scheduler process writes the time its admission passes spend "
                               "ordering the waiting queue (SGLang's and PreFT's) and in model steps, as JSON "
                               "(`preft eval sglang` reads it)"),
+    "PREFT_SGLANG_LORA": (lambda: os.environ.get("PREFT_SGLANG_LORA") == "1",
+                          "1: SGLang's LoRA layers follow each bundle's rule (LoRA-P: prompt tokens only; set by "
+                          "`preft serve --engine sglang --adapter ...`)"),
     "PREFT_SGLANG_PYTHON": (lambda: os.environ.get("PREFT_SGLANG_PYTHON") or os.path.join(
                                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-sglang", "bin",
                                 "python"),

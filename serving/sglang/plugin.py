@@ -9,6 +9,10 @@ SGLang's ``HookRegistry``, both AROUND:
   order (:func:`.waiting_order.admit_in_order`);
 - ``Scheduler.run_batch``: each step's time goes to the order (:func:`.waiting_order.reward`).
 
+With ``PREFT_SGLANG_LORA=1`` (``preft serve --engine sglang --adapter ...``), LoRA-P's hooks
+(:mod:`.lora_p`): each adapter's rule read as SGLang loads it, a prefill-only adapter's prefix
+keys, the step's token mask, and SGLang's LoRA A product masked by it.
+
 With ``PREFT_SCHEDULING_COST=FILE`` (``preft eval sglang``) the same two hooks, and one on
 SGLang's ``SchedulePolicy.calc_priority``, count what scheduling costs
 (:mod:`.scheduling_cost`), under any policy.
@@ -34,6 +38,11 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 HOOKS = ("get_new_batch_prefill", "run_batch")
 #: SGLang's own waiting-queue ordering (timed with PREFT_SCHEDULING_COST)
 POLICY_ORDER = "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority"
+#: LoRA-P's hooks (:mod:`.lora_p`; on with PREFT_SGLANG_LORA=1)
+LORA_HOOKS = {"rule": "sglang.srt.lora.lora_manager.LoRAManager.load_lora_weights",
+              "key": "sglang.srt.managers.schedule_batch.Req.__init__",
+              "mask": "sglang.srt.lora.lora_manager.LoRAManager.prepare_lora_batch",
+              "lora_a": "sglang.srt.lora.backend.torch_backend.sgemm_lora_a_fwd"}
 #: the admission orders SGLang can run through the hooks (``fcfs``: SGLang's own queue, no hook)
 SGLANG_ADMISSIONS = ("fcfs", "feather")
 
@@ -68,16 +77,17 @@ def register() -> None:
     if spec.admission not in SGLANG_ADMISSIONS:
         raise ValueError(f"the {spec.admission} admission order does not run on SGLang "
                          f"(it runs {', '.join(SGLANG_ADMISSIONS)})")
-    feather, cost_file = spec.admission == "feather", envs.PREFT_SCHEDULING_COST
-    if not feather and not cost_file:
-        return  # SGLang's own queue, nothing measured: no hook
+    feather, cost_file, lora_p = spec.admission == "feather", envs.PREFT_SCHEDULING_COST, envs.PREFT_SGLANG_LORA
+    if not feather and not cost_file and not lora_p:
+        return  # SGLang's own queue, nothing measured, no adapters: no hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from preft.serving.sglang import lora_p as lora_rule
     from preft.serving.sglang.scheduling_cost import SchedulingCost
     from preft.serving.sglang.waiting_order import admit_in_order, reward
 
     try:
-        for target in (*(f"{SCHEDULER}.{name}" for name in HOOKS), POLICY_ORDER):
+        for target in (*(f"{SCHEDULER}.{name}" for name in HOOKS), POLICY_ORDER, *LORA_HOOKS.values()):
             sglang_internal(target)
     except RuntimeError as err:  # SystemExit passes SGLang's loader, which would log an Exception and go on
         logger.critical("preft: %s", err)
@@ -86,6 +96,8 @@ def register() -> None:
 
     def admit(original, scheduler, *args, **kwargs):
         queued = len(scheduler.waiting_queue)  # a pass with nothing waiting orders nothing: not counted
+        if not feather and not cost:
+            return original(scheduler, *args, **kwargs)
         if not feather:
             result = original(scheduler, *args, **kwargs)
             if queued:
@@ -99,6 +111,8 @@ def register() -> None:
         return result
 
     def run_batch(original, scheduler, batch, *args, **kwargs):
+        if lora_p:
+            lora_rule.remember_prompt_lengths(batch)
         started = time.perf_counter()
         result = original(scheduler, batch, *args, **kwargs)
         step_s = time.perf_counter() - started
@@ -119,3 +133,9 @@ def register() -> None:
     HookRegistry.register(f"{SCHEDULER}.run_batch", run_batch, HookType.AROUND)
     if cost:
         HookRegistry.register(POLICY_ORDER, sglang_order, HookType.AROUND)
+    if lora_p:
+        lora_rule.allow_unpinned()
+        HookRegistry.register(LORA_HOOKS["rule"], lora_rule.remember_rule, HookType.AFTER)
+        HookRegistry.register(LORA_HOOKS["key"], lora_rule.prefix_key, HookType.AFTER)
+        HookRegistry.register(LORA_HOOKS["mask"], lora_rule.mask_for_step, HookType.AFTER)
+        HookRegistry.register(LORA_HOOKS["lora_a"], lora_rule.masked_lora_a, HookType.AROUND)

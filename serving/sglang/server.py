@@ -12,8 +12,11 @@ becomes SGLang's ``--max-total-tokens``: the tokens whose keys and values fit in
     tokens = GiB * 2^30 / (2 * layers * kv_heads * head_dim * bytes per value).
 
 ``--scheduler`` takes ``default``/``fcfs`` (SGLang's own queue; its other policies after ``--``,
-e.g. ``-- --schedule-policy lpm``) and ``feather`` (Feather over the Chunked Hash Tree). Adapters
-do not run on SGLang here: flags that name them are refused in one line.
+e.g. ``-- --schedule-policy lpm``) and ``feather`` (Feather over the Chunked Hash Tree).
+``--adapter NAME=BUNDLE`` serves LoRA and LoRA-P bundles through SGLang's torch-native LoRA
+backend, each following its rule (:mod:`.lora_p`); a request names one as ``"model":
+"BASE:NAME"`` or ``"lora_path": "NAME"``. ReFT-P bundles, runtime loading and SLOWeave run on
+vLLM: those flags are refused in one line.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from preft.serving.scheduling.spec import SchedulerSpec
 from preft.serving.sglang.plugin import SGLANG_ADMISSIONS
 
 #: ``preft serve`` flags that have no meaning on SGLang here, with the value that means "unset"
-VLLM_ONLY = {"adapter": [], "allow_runtime_loading": False, "adapter_root": None, "resolve_adapters": False,
+VLLM_ONLY = {"allow_runtime_loading": False, "adapter_root": None, "resolve_adapters": False,
              "all_token": False, "state_dir": None, "tpot_ms": None, "cost_model": None, "feather_state": None}
 BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
@@ -56,8 +59,9 @@ def check(args) -> SchedulerSpec:
     """Every flag SGLang cannot take, refused in one line; the parsed ``--scheduler``."""
     for flag, unset in VLLM_ONLY.items():
         if getattr(args, flag) != unset:
-            raise ValueError(f"--{flag.replace('_', '-')} is not available with --engine sglang (it serves base models "
-                             "with PreFT's admission orders; adapters and SLOWeave run on vLLM)")
+            raise ValueError(f"--{flag.replace('_', '-')} is not available with --engine sglang (it serves LoRA and "
+                             "LoRA-P bundles given at start-up with PreFT's admission orders; ReFT-P, runtime "
+                             "loading and SLOWeave run on vLLM)")
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         raise ValueError("--engine sglang runs on one device here: drop --tensor-parallel-size and "
                          "--pipeline-parallel-size")
@@ -73,12 +77,40 @@ def check(args) -> SchedulerSpec:
     return spec
 
 
-def sglang_arguments(args, base_dir: Path, on_cpu: bool) -> list[str]:
+def lora_bundles(args, base_dir: Path) -> dict[str, tuple[str, int]]:
+    """``{name: (bundle dir, rank)}`` of ``--adapter NAME=BUNDLE``, each checked as ``preft serve``
+    checks it on vLLM (hash, rule, finite weights, the base it was exported for); LoRA only."""
+    from preft.bundle import base_fingerprint
+    from preft.serving.bundle_store import check_bundle
+
+    bundles: dict[str, tuple[str, int]] = {}
+    base = base_fingerprint(base_dir)
+    for spec in args.adapter:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--adapter {spec!r} is not of the form NAME=BUNDLE_DIR")
+        if name in bundles:
+            raise ValueError(f"--adapter names must be unique: {name} given more than once")
+        if not Path(path).is_dir():
+            raise ValueError(f"adapter {name!r}: bundle directory not found: {path}")
+        manifest = check_bundle(name, Path(path), base, args.max_rank)
+        if manifest["kind"] != "lora":
+            raise ValueError(f"adapter {name!r}: a {manifest['kind']} bundle; --engine sglang serves LoRA and LoRA-P "
+                             "bundles (ReFT-P runs on vLLM)")
+        bundles[name] = (str(Path(path).resolve()), int(manifest["rank"]))
+    return bundles
+
+
+def sglang_arguments(args, base_dir: Path, on_cpu: bool, bundles: dict | None = None) -> list[str]:
     argv = ["--model-path", str(base_dir), "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
             "--max-total-tokens", str(kv_tokens(base_dir, args.kv_cache_gib, args.dtype)),
             "--disable-overlap-schedule"]
     if on_cpu:
         argv += ["--device", "cpu", "--attention-backend", "torch_native"]
+    if bundles:  # the torch-native backend: the one PreFT's rule is applied to (preft.serving.sglang.lora_p)
+        argv += ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", str(args.max_adapters),
+                 "--max-lora-rank", str(max(rank for _, rank in bundles.values())),
+                 "--lora-paths", *(f"{name}={path}" for name, (path, _) in bundles.items())]
     if args.max_model_len != "auto":
         argv += ["--context-length", str(args.max_model_len)]
     from preft.real_models import served_name as short_name
@@ -99,6 +131,7 @@ def serve_sglang(args) -> int:
     if not (base_dir / "config.json").is_file():
         raise ValueError(f"base model not found (no config.json): {base_dir}")
     spec = check(args)
+    bundles = lora_bundles(args, base_dir)
     python = sglang_python()
     check_port_free(args.host, args.port)
     on_cpu = not torch.cuda.is_available()
@@ -107,7 +140,10 @@ def serve_sglang(args) -> int:
     env["PREFT_SCHEDULER"] = json.dumps(spec.to_json())
     if on_cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-    argv = [str(python), "-m", "sglang.launch_server", *sglang_arguments(args, base_dir, on_cpu)]
+    env.pop("PREFT_SGLANG_LORA", None)
+    if bundles:
+        env["PREFT_SGLANG_LORA"] = "1"
+    argv = [str(python), "-m", "sglang.launch_server", *sglang_arguments(args, base_dir, on_cpu, bundles)]
     print("preft serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
     os.execve(str(python), argv, env)  # the server replaces this process
     return 0  # not reached

@@ -1,6 +1,6 @@
-"""SGLang's waiting queue through an admission order (:mod:`preft.serving.sglang.waiting_order`),
-on a stand-in scheduler that admits as SGLang's ``get_new_batch_prefill`` does: from the front of
-``waiting_queue`` while its token budget lasts, the rest left waiting. No SGLang needed."""
+"""PreFT's SGLang plugin without SGLang: the waiting-order hook on a stand-in scheduler that admits
+as SGLang's ``get_new_batch_prefill`` does (from the front of ``waiting_queue`` while its token
+budget lasts, the rest left waiting), ``preft serve --engine sglang``'s refusals, LoRA-P's token mask."""
 
 from __future__ import annotations
 
@@ -120,7 +120,8 @@ def test_each_step_time_reaches_the_order(decode):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--adapter", "a=/nowhere"], "--adapter is not available with --engine sglang"),
+    (["--allow-runtime-loading"], "--allow-runtime-loading is not available with --engine sglang"),
+    (["--adapter", "a=/nowhere"], "adapter 'a': bundle directory not found"),
     (["--scheduler", "sloweave"], "--scheduler sloweave does not run on SGLang"),
     (["--scheduler", "sloweave", "--tpot-ms", "30"], "--tpot-ms is not available with --engine sglang"),
     (["--scheduler", "lpm"], "--scheduler lpm does not run on SGLang"),
@@ -157,3 +158,23 @@ def test_kv_cache_gib_becomes_sglangs_token_count(tmp_path):
                                                       "torch_dtype": "bfloat16"}))
     assert kv_tokens(tmp_path, 1, "auto") == 46603
     assert kv_tokens(tmp_path, 1, "float32") == 23301
+
+
+# ---------------------------------------------------------------- LoRA-P's token mask on SGLang
+
+
+def test_lora_p_token_mask_follows_the_rule_per_request():
+    """Three requests in one step: a LoRA-P one (start 1, P 4) prefilling positions 0-5 (a
+    recompute past its prompt), a base one (2 tokens), an all-token one (1 token at position 9)."""
+    import torch
+
+    from preft.rule import ALL_TOKEN, AdapterRule
+    from preft.serving.sglang.lora_p import token_mask
+
+    rules = {"p": AdapterRule(prefill_only=True, adapter_start=1), "all": ALL_TOKEN}
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 7, 8, 9])
+    mask = token_mask(positions, [6, 2, 1], ["p", None, "all"], [4, 9, 3], rules)
+    assert mask.tolist() == [False, True, True, True, False, False, True, True, True]
+    assert token_mask(positions, [6, 2, 1], ["all", None, "all"], [4, 9, 3], rules) is None  # nothing to mask
+    with pytest.raises(RuntimeError, match="do not match its tokens"):
+        token_mask(positions, [5, 2, 1], ["p", None, "all"], [4, 9, 3], rules)
