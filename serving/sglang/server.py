@@ -14,8 +14,7 @@ becomes SGLang's ``--max-total-tokens``: the tokens whose keys and values fit in
 ``--scheduler`` takes ``default``/``fcfs`` (SGLang's own queue; its other policies after ``--``,
 e.g. ``-- --schedule-policy lpm``) and ``feather`` (Feather over the Chunked Hash Tree).
 ``--adapter NAME=BUNDLE`` serves LoRA and LoRA-P bundles through SGLang's torch-native LoRA
-backend, each following its rule (:mod:`.lora_p`); a request names one as ``"model":
-"BASE:NAME"`` or ``"lora_path": "NAME"``. ReFT-P bundles, runtime loading and SLOWeave run on
+backend, each following its rule (:mod:`.lora_p`); a request names one as ``"lora_path": "NAME"``. ReFT-P bundles, runtime loading and SLOWeave run on
 vLLM: those flags are refused in one line.
 """
 
