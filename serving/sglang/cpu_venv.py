@@ -53,13 +53,15 @@ def main() -> None:
     site = Path(sysconfig.get_paths()["purelib"])
     for step in (patch_torchvision, add_standin):
         print(f"make sglang: {step(site)}")
-    if "--check" in sys.argv:
-        import sgl_kernel  # noqa: F401
-        import torchvision  # noqa: F401
+    if "--check" in sys.argv:  # a new interpreter: the .pth file is read at start-up
+        import subprocess
 
-        import sglang
-
-        print(f"make sglang: sglang {sglang.__version__} imports with the stand-in")
+        check = "import sgl_kernel, torchvision, sglang; assert sgl_kernel.STANDIN; print(sglang.__version__)"
+        done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SystemExit(f"make sglang: sglang does not import with the stand-in: {last}")
+        print(f"make sglang: sglang {done.stdout.strip()} imports with the stand-in")
 
 
 if __name__ == "__main__":
