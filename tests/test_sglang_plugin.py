@@ -112,7 +112,7 @@ def test_each_step_time_reaches_the_order(decode):
     scheduler.preft_waiting_order.order.reward = lambda *args: seen.append(args)
     batch = SimpleNamespace(reqs=[1, 2, 3], extend_num_tokens=40,
                             forward_mode=SimpleNamespace(is_decode=lambda: decode))
-    reward(scheduler, batch, 0.25)
+    reward(scheduler.preft_waiting_order, batch, 0.25)
     assert seen == [(3, 0.25, 0 if decode else 40)]
 
 

@@ -20,8 +20,8 @@ length too (:func:`prefix_key`), as the vLLM path keys blocks past the prompt's 
 
 On a machine with no accelerator, SGLang's LoRA code asks for pinned host memory, which torch
 refuses there (``pin_memory=True requires a CUDA or other accelerator backend``);
-:func:`allow_unpinned` turns those requests into plain host memory (there is no device copy to
-speed up).
+:func:`allow_unpinned` turns those requests into plain host memory in SGLang's LoRA modules
+(there is no device copy to speed up).
 """
 
 from __future__ import annotations
@@ -110,23 +110,33 @@ def masked_lora_a(original, inputs, *args, **kwargs):
     return output
 
 
-def allow_unpinned() -> None:
-    """Without an accelerator, ``pin_memory=True`` (factory argument or ``Tensor.pin_memory()``)
-    gives plain host memory instead of an error."""
-    if torch.cuda.is_available() or getattr(torch.Tensor.pin_memory, "preft_unpinned", False):
+#: the torch factory functions SGLang's LoRA code calls with ``pin_memory=True``
+FACTORIES = frozenset({"empty", "zeros", "ones", "full", "tensor", "arange"})
+
+
+def _unpinned(factory, *args, pin_memory: bool = False, **kwargs):
+    return factory(*args, **kwargs)
+
+
+class TorchWithoutPinning:
+    """``torch`` as one module sees it, with ``pin_memory`` dropped from its factory functions."""
+
+    def __getattr__(self, name: str):
+        attr = getattr(torch, name)
+        return functools.partial(_unpinned, attr) if name in FACTORIES else attr
+
+
+def allow_unpinned(modules) -> None:
+    """Without an accelerator, ``pin_memory=True`` gives plain host memory instead of an error:
+    in ``modules`` (SGLang's LoRA layers and torch backend) through their own ``torch``, and in
+    ``Tensor.pin_memory()``, which can only fail on such a machine."""
+    if torch.cuda.is_available():
         return
+    if not getattr(torch.Tensor.pin_memory, "preft_unpinned", False):
+        def unpinned_method(tensor, *args, **kwargs):
+            return tensor
 
-    def unpinned_method(tensor, *args, **kwargs):
-        return tensor
-
-    unpinned_method.preft_unpinned = True
-    torch.Tensor.pin_memory = unpinned_method
-    for name in ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like"):
-        original = getattr(torch, name)
-
-        @functools.wraps(original)
-        def factory(*args, _original=original, **kwargs):
-            kwargs.pop("pin_memory", None)
-            return _original(*args, **kwargs)
-
-        setattr(torch, name, factory)
+        unpinned_method.preft_unpinned = True
+        torch.Tensor.pin_memory = unpinned_method
+    for module in modules:
+        module.torch = TorchWithoutPinning()

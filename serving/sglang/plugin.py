@@ -43,6 +43,8 @@ LORA_HOOKS = {"rule": "sglang.srt.lora.lora_manager.LoRAManager.load_lora_weight
               "key": "sglang.srt.managers.schedule_batch.Req.__init__",
               "mask": "sglang.srt.lora.lora_manager.LoRAManager.prepare_lora_batch",
               "lora_a": "sglang.srt.lora.backend.torch_backend.sgemm_lora_a_fwd"}
+#: SGLang's LoRA modules that ask torch for pinned memory by argument (:func:`.lora_p.allow_unpinned`)
+UNPINNED_MODULES = ("sglang.srt.lora.layers", "sglang.srt.lora.backend.torch_backend")
 #: the admission orders SGLang can run through the hooks (``fcfs``: SGLang's own queue, no hook)
 SGLANG_ADMISSIONS = ("fcfs", "feather")
 
@@ -95,12 +97,10 @@ def register() -> None:
     cost = SchedulingCost(cost_file) if cost_file else None
 
     def admit(original, scheduler, *args, **kwargs):
-        queued = len(scheduler.waiting_queue)  # a pass with nothing waiting orders nothing: not counted
-        if not feather and not cost:
-            return original(scheduler, *args, **kwargs)
+        queued = bool(scheduler.waiting_queue)  # a pass with nothing waiting orders nothing: not counted
         if not feather:
             result = original(scheduler, *args, **kwargs)
-            if queued:
+            if cost and queued:
                 cost.add(admissions=1)
             return result
         state = waiting_order_of(scheduler, spec)
@@ -117,8 +117,7 @@ def register() -> None:
         result = original(scheduler, batch, *args, **kwargs)
         step_s = time.perf_counter() - started
         if feather:
-            waiting_order_of(scheduler, spec)
-            reward(scheduler, batch, step_s)
+            reward(waiting_order_of(scheduler, spec), batch, step_s)
         if cost:
             cost.add(steps=1, step_s=step_s)
         return result
@@ -134,7 +133,9 @@ def register() -> None:
     if cost:
         HookRegistry.register(POLICY_ORDER, sglang_order, HookType.AROUND)
     if lora_p:
-        lora_rule.allow_unpinned()
+        import importlib
+
+        lora_rule.allow_unpinned([importlib.import_module(name) for name in UNPINNED_MODULES])
         HookRegistry.register(LORA_HOOKS["rule"], lora_rule.remember_rule, HookType.AFTER)
         HookRegistry.register(LORA_HOOKS["key"], lora_rule.prefix_key, HookType.AFTER)
         HookRegistry.register(LORA_HOOKS["mask"], lora_rule.mask_for_step, HookType.AFTER)

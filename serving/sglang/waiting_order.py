@@ -79,10 +79,11 @@ class WaitingOrder:
 
 
 def running_request_ids(scheduler) -> set[str]:
+    """The running batch's requests, the last step's (a request just prefilled) and the one in a
+    chunked prefill."""
     rids = {req.rid for req in scheduler.running_batch.reqs}
-    for batch in (getattr(scheduler, "last_batch", None),):
-        if batch is not None:
-            rids.update(req.rid for req in batch.reqs)
+    if getattr(scheduler, "last_batch", None) is not None:
+        rids.update(req.rid for req in scheduler.last_batch.reqs)
     if scheduler.chunked_req is not None:
         rids.add(scheduler.chunked_req.rid)
     return rids
@@ -119,7 +120,7 @@ def admit_in_order(original, scheduler, *args, **kwargs):
         state.own_s += time.perf_counter() - started
 
 
-def reward(scheduler, batch, step_s: float) -> None:
+def reward(state: WaitingOrder, batch, step_s: float) -> None:
     """A step's time to the order (Feather learns from decode steps only)."""
     prefill_tokens = 0 if batch.forward_mode.is_decode() else int(batch.extend_num_tokens or 0)
-    scheduler.preft_waiting_order.order.reward(len(batch.reqs), step_s, prefill_tokens)
+    state.order.reward(len(batch.reqs), step_s, prefill_tokens)
