@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 #: a rate is sustained when the simulator serves it within 1/0.95 of the time it was offered
@@ -115,6 +113,33 @@ def warm_up(url: str, models: list[str], rounds: int = 4) -> None:
             list(pool.map(one, models * 4))
 
 
+def bench_trace(url: str, model_dir: str, trace: Path, label: str, run_dir: Path,
+                adapters: dict[str, str] | None = None) -> list:
+    """``vllm bench serve --dataset-name timed_trace`` against the server at ``url``, at ``trace``'s
+    arrival times (request i on the i % N-th of ``adapters``), in this process
+    (:func:`~preft.eval.vllm_bench.serve_in_process`): the per-request timings."""
+    from preft.eval.vllm_bench import serve_in_process
+    from preft.serving.scheduling.metrics import RequestTiming
+
+    result_name = f"bench-{label}.json"
+    count = sum(1 for line in trace.read_text().splitlines() if line.strip())
+    command = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model_dir,
+               "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path", str(trace),
+               "--num-prompts", str(count), "--save-result", "--save-detailed",
+               "--result-dir", str(run_dir), "--result-filename", result_name, "--disable-tqdm",
+               "--percentile-metrics", "ttft,tpot,itl,e2el"]
+    if adapters:
+        command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log = run_dir / "logs" / f"bench-{label}.log"
+    log.unlink(missing_ok=True)
+    serve_in_process(command, log, timeout_s=1800)
+    bench = json.loads((run_dir / result_name).read_text())
+    return [RequestTiming(start, start + ttft, start + ttft + sum(itl), length)
+            for start, ttft, itl, length in zip(bench["start_times"], bench["ttfts"], bench["itls"],
+                                                bench["output_lens"]) if ttft is not None and ttft > 0]
+
+
 def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str, run_dir: Path,
                 settings: dict, vllm_extra: tuple[str, ...] = (), adapters: dict[str, str] | None = None,
                 slots: int = 0, engine: str = "vllm", env: dict[str, str] | None = None) -> tuple[list, list[dict]]:
@@ -131,44 +156,30 @@ def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str,
         policy_args = [*policy_args, "--max-adapters", str(slots or len(adapters)), "--max-rank", "16",
                        "--max-host-adapters", str(len(adapters)),
                        *[a for name, bundle in adapters.items() for a in ("--adapter", f"{name}={bundle}")]]
-    from preft.serving.scheduling.metrics import RequestTiming
     from preft.eval.harness.server_process import start_server, stop_server
 
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     step_trace = run_dir / f"steps-{label}.jsonl"
     step_trace.unlink(missing_ok=True)
     if engine == "sglang":
+        # SGLang's own chunk unless a flag of vllm_extra sets it or the plugin sets it per step (SLOWeave)
+        chunk_given = (any(a.startswith("--chunked-prefill-size") for a in vllm_extra)
+                       or any("sloweave" in a for a in policy_args))
         args = ["--engine", "sglang", "--model", model_dir, "--dtype", "float32", "--max-model-len",
                 str(settings["max_len"]), *policy_args, "--", "--max-running-requests", str(settings["max_num_seqs"]),
-                "--chunked-prefill-size", str(settings["max_num_batched_tokens"]), *vllm_extra]
+                *([] if chunk_given else ["--chunked-prefill-size", str(settings["max_num_batched_tokens"])]),
+                *vllm_extra]
     else:
         args = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(settings["max_len"]),
                 "--kv-cache-gib", "1", *policy_args, "--", "--max-num-seqs", str(settings["max_num_seqs"]),
                 "--max-num-batched-tokens", str(settings["max_num_batched_tokens"]), *vllm_extra]
     proc, url, _ = start_server(args, run_dir / "logs" / f"server-{label}.log",
                                 env={"PREFT_STEP_TRACE": str(step_trace), **(env or {})}, timeout_s=300)
-    result_name = f"bench-{label}.json"
     try:
         warm_up(url, [model_dir], rounds=2)
         step_trace.unlink(missing_ok=True)
-        count = sum(1 for line in trace.read_text().splitlines() if line.strip())
-        command = [sys.executable, "-m", "preft.eval.vllm_bench", "serve", "--backend", "openai",
-                   "--base-url", url, "--endpoint", "/v1/completions", "--model", model_dir,
-                   "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path", str(trace),
-                   "--num-prompts", str(count), "--save-result", "--save-detailed",
-                   "--result-dir", str(run_dir), "--result-filename", result_name, "--disable-tqdm",
-                   "--percentile-metrics", "ttft,tpot,itl,e2el"]
-        if adapters:
-            command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
-        with open(run_dir / "logs" / f"bench-{label}.log", "w") as log:
-            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
-        if done.returncode != 0:
-            raise RuntimeError(f"vllm bench serve failed; see {run_dir / 'logs' / f'bench-{label}.log'}")
+        timings = bench_trace(url, model_dir, trace, label, run_dir, adapters)
     finally:
         stop_server(proc)
-    bench = json.loads((run_dir / result_name).read_text())
-    timings = [RequestTiming(start, start + ttft, start + ttft + sum(itl), length)
-               for start, ttft, itl, length in zip(bench["start_times"], bench["ttfts"], bench["itls"],
-                                                   bench["output_lens"]) if ttft is not None and ttft > 0]
     steps = [json.loads(line) for line in step_trace.read_text().splitlines()] if step_trace.exists() else []
     return timings, steps

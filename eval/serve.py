@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -95,10 +93,12 @@ def make_bundles(model_path: str, kind: str, count: int, rank: int, root: Path) 
 
 def bench_serve(url: str, model_name: str, tokenizer: str, adapters: list[str], rate: float,
                 settings: dict[str, Any], result_dir: Path, result_name: str, log: Path) -> dict[str, Any]:
-    """One ``vllm bench serve`` run at ``rate`` requests/s over ``adapters`` (none: the base model);
-    its result JSON."""
+    """One ``vllm bench serve`` run at ``rate`` requests/s over ``adapters`` (none: the base model),
+    in this process (:func:`~preft.eval.vllm_bench.serve_in_process`); its result JSON."""
+    from preft.eval.vllm_bench import serve_in_process
+
     slo = settings["slo"]
-    command = [sys.executable, "-m", "preft.eval.vllm_bench", "serve", "--backend", "openai", "--base-url", url,
+    command = ["--backend", "openai", "--base-url", url,
                "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer,
                "--dataset-name", "random", "--random-input-len", str(settings["input_len"]),
                "--random-output-len", str(settings["output_len"]), "--num-prompts", str(settings["num_prompts"]),
@@ -111,10 +111,7 @@ def bench_serve(url: str, model_name: str, tokenizer: str, adapters: list[str], 
         command += ["--max-concurrency", str(settings["max_concurrency"])]
     if adapters:
         command += ["--lora-modules", *adapters, "--lora-assignment", settings["lora_assignment"]]
-    with open(log, "a") as handle:
-        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=settings["timeout_s"])
-    if done.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed (exit {done.returncode}); its output: {log}")
+    serve_in_process(command, log, settings["timeout_s"])
     return json.loads((result_dir / result_name).read_text())
 
 
