@@ -150,7 +150,8 @@ def main(out: str = "runs/eval", write_docs: bool = False, docs_dir: str | None 
 
 def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
     """``name -> (markdown, its figures)`` for ``eval profile`` (one per model), ``eval goodput``,
-    ``eval prefix``, ``eval pipeline``, ``eval plan``, ``eval capacity`` and ``eval sglang``."""
+    ``eval prefix``, ``eval pipeline``, ``eval plan``, ``eval capacity``, ``eval sglang`` and
+    ``eval sglang-chunks``."""
     found = {}
     for markdown in sorted((root / "profile").glob("profile_*.md")):
         found[markdown.stem] = (markdown, [f"{markdown.stem}.png"])
@@ -168,6 +169,8 @@ def own_figure_sections(root: Path) -> dict[str, tuple[Path, list[str]]]:
         found["capacity"] = (root / "capacity" / "capacity.md", [])
     if (root / "sglang" / "sglang.md").is_file():
         found["sglang"] = (root / "sglang" / "sglang.md", ["sglang_orders.png"])
+    if (root / "sglang_chunks" / "sglang_chunks.md").is_file():
+        found["sglang_chunks"] = (root / "sglang_chunks" / "sglang_chunks.md", ["sglang_chunks.png"])
     return {name: (markdown, [p for p in pictures if (markdown.parent / p).is_file()])
             for name, (markdown, pictures) in found.items()}
 

@@ -34,6 +34,8 @@ EVALS = {
                                          "(method, rank), one plot per task (from eval loss --tasks and eval serve)"),
     "sglang": ("preft.eval.sglang_scheduling", "Feather on SGLang against SGLang's FCFS, LPM and DFS-weight: "
                                                "throughput, latency and scheduling CPU cost per admission pass"),
+    "sglang-chunks": ("preft.eval.sglang_chunking", "SLOWeave setting SGLang's prefill chunk per step against SGLang's "
+                                                    "fixed --chunked-prefill-size, by SLO capacity"),
     "report": ("preft.eval.report", "every eval result in one report, and the accuracy/throughput figure"),
 }
 

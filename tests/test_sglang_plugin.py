@@ -122,8 +122,11 @@ def test_each_step_time_reaches_the_order(decode):
 @pytest.mark.parametrize("argv, message", [
     (["--allow-runtime-loading"], "--allow-runtime-loading is not available with --engine sglang"),
     (["--adapter", "a=/nowhere"], "adapter 'a': bundle directory not found"),
-    (["--scheduler", "sloweave"], "--scheduler sloweave does not run on SGLang"),
-    (["--scheduler", "sloweave", "--tpot-ms", "30"], "--tpot-ms is not available with --engine sglang"),
+    (["--scheduler", "sloweave"], "--scheduler sloweave needs --tpot-ms"),
+    (["--scheduler", "sloweave", "--tpot-ms", "30", "--", "--chunked-prefill-size", "64"],
+     "drop --chunked-prefill-size"),
+    (["--scheduler", "fixed:64"], "--scheduler fixed:64 does not run on SGLang"),
+    (["--state-dir", "/tmp"], "--state-dir is not available with --engine sglang"),
     (["--scheduler", "lpm"], "--scheduler lpm does not run on SGLang"),
     (["--scheduler", "feather", "--", "--schedule-policy", "lpm"], "drop --schedule-policy"),
     (["--scheduler", "nonsense"], "--scheduler: unknown scheduler"),
@@ -178,3 +181,135 @@ def test_lora_p_token_mask_follows_the_rule_per_request():
     assert token_mask(positions, [6, 2, 1], ["all", None, "all"], [4, 9, 3], rules) is None  # nothing to mask
     with pytest.raises(RuntimeError, match="do not match its tokens"):
         token_mask(positions, [5, 2, 1], ["p", None, "all"], [4, 9, 3], rules)
+
+
+# ---------------------------------------------------------------- SLOWeave's chunk per step on SGLang
+
+
+class MixedScheduler:
+    """What the chunk hook reads of SGLang's Scheduler in mixed-chunk mode, and its prefill pass:
+    prompt tokens from the front of ``waiting_queue`` (the chunked request first) while
+    ``chunked_prefill_size`` less the running decodes lasts, the last one cut into a chunk
+    (SGLang's PrefillAdder, simplified)."""
+
+    is_mixed_chunk = True
+
+    def __init__(self, chunk: int = 2048) -> None:
+        self.waiting_queue, self.chunked_req, self.chunked_prefill_size = [], None, chunk
+        self.prefilled: list[int] = []
+
+    def get_new_batch_prefill(self, running_batch):
+        left = self.chunked_prefill_size - len(running_batch.reqs)
+        used = 0
+        queue = ([self.chunked_req] if self.chunked_req else []) + self.waiting_queue
+        self.chunked_req = None
+        for r in list(queue):
+            take = min(left - used, r.seqlen - r.extend_end)
+            if take <= 0:
+                break
+            r.extend_end += take
+            used += take
+            if r in self.waiting_queue:
+                self.waiting_queue.remove(r)
+            if r.extend_end < r.seqlen:
+                self.chunked_req = r
+                break
+        self.prefilled.append(used)
+        return ("plan", used)
+
+
+def sglang_req(rid: str, prompt: int, outputs: int = 0):
+    return SimpleNamespace(rid=rid, seqlen=prompt + outputs, output_ids=[0] * outputs, extend_end=0,
+                           finished=lambda: False, inflight_middle_chunks=0)
+
+
+class Plan(SimpleNamespace):
+    pass
+
+
+class StepCost:
+    """T(n, c, x) = 1 ms + 0.1 ms per prefill token: a 20 ms TPOT target leaves room for a chunk
+    of (budget − 1 ms) / 0.1 ms tokens."""
+
+    def __call__(self, n, c, x):
+        return 1e-3 + 1e-4 * c
+
+
+@pytest.mark.parametrize("since_last_ms, chunk", [(0.0, 190), (15.0, 40), (19.5, 0)])
+def test_sloweave_sets_each_steps_chunk_from_the_earliest_deadline(since_last_ms, chunk):
+    """The step's prefill is the largest chunk whose predicted time meets the earliest decode's
+    next-token deadline: 20 ms after its last token (its mean TPOT is on target), so with t ms
+    gone, c = (19 - t) / 0.1."""
+    from preft.serving.scheduling.sloweave import SLOWeave
+    from preft.serving.sglang.chunk_control import ChunkControl, sized_prefill
+
+    control = ChunkControl(SLOWeave(StepCost(), tpot_s=0.020))
+    scheduler = MixedScheduler()
+    decode = sglang_req("d", 10, outputs=3)
+    scheduler.waiting_queue = [sglang_req("p", 1000)]
+    import time as clock
+
+    control.last_token_s["d"] = clock.monotonic() - since_last_ms / 1e3
+    control.first_token_s["d"] = control.last_token_s["d"] - 0.040  # 3 tokens on time: no slack to spend
+    running = SimpleNamespace(reqs=[decode])
+    result = sized_prefill(MixedScheduler.get_new_batch_prefill, scheduler, running, control, mixed=True,
+                           plan_class=Plan)
+    if chunk == 0:  # no chunk fits before the deadline: a decode-only step, the request keeps waiting
+        assert isinstance(result, Plan) and result.batch_to_run is None and result.running_batch is running
+        assert scheduler.prefilled == [] and len(scheduler.waiting_queue) == 1
+    else:
+        assert abs(scheduler.prefilled[-1] - chunk) <= 2, scheduler.prefilled  # the clock moved a little
+        assert scheduler.chunked_req.rid == "p"  # cut into a chunk, the rest goes on at a later step
+    assert scheduler.chunked_prefill_size == 2048  # SGLang's own setting is back after the pass
+
+
+def test_without_decodes_the_whole_prompt_goes_and_steps_reach_the_cost_model():
+    from preft.serving.scheduling.chunk_policies import policy_from_spec
+    from preft.serving.scheduling.spec import SchedulerSpec
+    from preft.serving.sglang.chunk_control import ChunkControl, sized_prefill
+
+    policy = policy_from_spec(SchedulerSpec.parse("sloweave", tpot_ms=20, max_chunk=512))
+    control = ChunkControl(policy)
+    assert control.cost_learner is policy.cost_model  # the online model SLOWeave's budgets rest on
+    scheduler = MixedScheduler()
+    done, chunked = sglang_req("a", 300), sglang_req("b", 300)
+    scheduler.waiting_queue = [done, chunked]
+    sized_prefill(MixedScheduler.get_new_batch_prefill, scheduler, SimpleNamespace(reqs=[]), control,
+                  mixed=True, plan_class=Plan)
+    assert scheduler.prefilled == [512] and scheduler.chunked_req is chunked  # no deadline: up to --max-chunk
+    chunked.inflight_middle_chunks = 1
+    mode = SimpleNamespace(is_idle=lambda: False, is_decode=lambda: False)
+    batch = SimpleNamespace(forward_mode=mode, reqs=[done, chunked], decoding_reqs=None, extend_num_tokens=512,
+                            prefix_lens=[0, 0])
+    before = len(control.cost_learner.steps)
+    control.record(batch, started_s=control.pass_started_s, now=control.pass_started_s + 0.05)
+    assert list(control.cost_learner.steps)[before:] == [(0, 512, 0, pytest.approx(0.05))]
+    assert "a" in control.last_token_s and chunked.rid not in control.last_token_s  # a middle chunk: no token
+    decode_mode = SimpleNamespace(is_idle=lambda: False, is_decode=lambda: True)
+    control.record(SimpleNamespace(forward_mode=decode_mode, reqs=[done]), started_s=1.0, now=1.02)
+    assert list(control.cost_learner.steps)[-1] == (1, 0, 299, pytest.approx(0.02))
+
+
+def test_sglang_chunks_eval_runs_sglangs_own_fixed_chunks_and_sloweave_in_mixed_mode():
+    from preft.eval.sglang_chunking import policy_flags
+
+    assert policy_flags("fixed:256", 80) == (["--scheduler", "default"],
+                                             ["--chunked-prefill-size", "256", "--enable-mixed-chunk"])
+    assert policy_flags("sloweave", 80) == (["--scheduler", "sloweave", "--tpot-ms", "80"], [])
+    with pytest.raises(ValueError, match="unknown policy 'fixed:x'"):
+        policy_flags("fixed:x", 80)
+
+
+def test_sloweave_on_sglang_adds_mixed_chunks_up_to_max_chunk(tmp_path):
+    import argparse
+
+    from preft.serving.scheduling.spec import SchedulerSpec
+    from preft.serving.sglang.server import sglang_arguments
+
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8}')
+    args = argparse.Namespace(host="127.0.0.1", port=1, dtype="float32", kv_cache_gib=0.01, max_model_len="auto",
+                              served_model_name=None, model=str(tmp_path), vllm_args=[])
+    argv = sglang_arguments(args, tmp_path, on_cpu=True, spec=SchedulerSpec.parse("sloweave", tpot_ms=50, max_chunk=512))
+    assert argv[argv.index("--chunked-prefill-size") + 1] == "512" and "--enable-mixed-chunk" in argv
+    plain = sglang_arguments(args, tmp_path, on_cpu=True, spec=SchedulerSpec.parse("feather"))
+    assert "--enable-mixed-chunk" not in plain and "--chunked-prefill-size" not in plain

@@ -9,6 +9,10 @@ SGLang's ``HookRegistry``, both AROUND:
   order (:func:`.waiting_order.admit_in_order`);
 - ``Scheduler.run_batch``: each step's time goes to the order (:func:`.waiting_order.reward`).
 
+With a SLOWeave chunk policy (``--scheduler sloweave --tpot-ms MS``, SGLang in mixed-chunk
+mode), the same two hooks set SGLang's prefill chunk each step from the policy and feed each
+step's time to its online cost model (:mod:`.chunk_control`).
+
 With ``PREFT_SGLANG_LORA=1`` (``preft serve --engine sglang --adapter ...``), LoRA-P's hooks
 (:mod:`.lora_p`): each adapter's rule read as SGLang loads it, a prefill-only adapter's prefix
 keys, the step's token mask, and SGLang's LoRA A product masked by it.
@@ -25,6 +29,7 @@ start-up naming it (SGLang's own loader would only log the error and serve witho
 
 from __future__ import annotations
 
+import functools
 import logging
 import pkgutil
 import time
@@ -38,6 +43,8 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 HOOKS = ("get_new_batch_prefill", "run_batch")
 #: SGLang's own waiting-queue ordering (timed with PREFT_SCHEDULING_COST)
 POLICY_ORDER = "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority"
+#: what ``get_new_batch_prefill`` returns (a step given no prefill returns one with no batch)
+BATCH_PLAN = "sglang.srt.managers.schedule_batch.NextBatchPlan"
 #: LoRA-P's hooks (:mod:`.lora_p`; on with PREFT_SGLANG_LORA=1)
 LORA_HOOKS = {"rule": "sglang.srt.lora.lora_manager.LoRAManager.load_lora_weights",
               "key": "sglang.srt.managers.schedule_batch.Req.__init__",
@@ -47,6 +54,8 @@ LORA_HOOKS = {"rule": "sglang.srt.lora.lora_manager.LoRAManager.load_lora_weight
 UNPINNED_MODULES = ("sglang.srt.lora.layers", "sglang.srt.lora.backend.torch_backend")
 #: the admission orders SGLang can run through the hooks (``fcfs``: SGLang's own queue, no hook)
 SGLANG_ADMISSIONS = ("fcfs", "feather")
+#: the prefill chunk policies (``default``: SGLang's own ``--chunked-prefill-size``, no hook)
+SGLANG_CHUNK_POLICIES = ("default", "sloweave")
 
 
 def sglang_internal(path: str):
@@ -74,40 +83,59 @@ def waiting_order_of(scheduler, spec: SchedulerSpec):
     return state
 
 
+def chunk_control_of(scheduler, spec: SchedulerSpec):
+    """The scheduler's :class:`~.chunk_control.ChunkControl`, made on first use."""
+    control = getattr(scheduler, "preft_chunk_control", None)
+    if control is None:
+        from preft.serving.scheduling.chunk_policies import policy_from_spec
+        from preft.serving.sglang.chunk_control import ChunkControl
+
+        if not scheduler.is_mixed_chunk:
+            raise RuntimeError(f"--scheduler {spec.name} sets the prefill chunk of steps that carry the running "
+                               "decodes: SGLang needs --enable-mixed-chunk and a --chunked-prefill-size")
+        control = scheduler.preft_chunk_control = ChunkControl(policy_from_spec(spec))
+        logger.info("preft: SGLang's prefill chunk set each step by %s", spec.chunk_policy)
+    return control
+
+
 def register() -> None:
     spec = SchedulerSpec.from_json(envs.PREFT_SCHEDULER)
-    if spec.admission not in SGLANG_ADMISSIONS:
-        raise ValueError(f"the {spec.admission} admission order does not run on SGLang "
-                         f"(it runs {', '.join(SGLANG_ADMISSIONS)})")
+    if spec.admission not in SGLANG_ADMISSIONS or spec.chunk_policy not in SGLANG_CHUNK_POLICIES:
+        raise ValueError(f"scheduler {spec.name} does not run on SGLang (it runs the admission orders "
+                         f"{', '.join(SGLANG_ADMISSIONS)} and the chunk policies {', '.join(SGLANG_CHUNK_POLICIES)})")
     feather, cost_file, lora_p = spec.admission == "feather", envs.PREFT_SCHEDULING_COST, envs.PREFT_SGLANG_LORA
-    if not feather and not cost_file and not lora_p:
-        return  # SGLang's own queue, nothing measured, no adapters: no hook
+    chunking = spec.chunk_policy != "default"
+    if not feather and not chunking and not cost_file and not lora_p:
+        return  # SGLang's own queue and chunks, nothing measured, no adapters: no hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from preft.serving.sglang import lora_p as lora_rule
+    from preft.serving.sglang.chunk_control import sized_prefill
     from preft.serving.sglang.scheduling_cost import SchedulingCost
     from preft.serving.sglang.waiting_order import admit_in_order, reward
 
     try:
-        for target in (*(f"{SCHEDULER}.{name}" for name in HOOKS), POLICY_ORDER, *LORA_HOOKS.values()):
+        for target in (*(f"{SCHEDULER}.{name}" for name in HOOKS), POLICY_ORDER, BATCH_PLAN, *LORA_HOOKS.values()):
             sglang_internal(target)
+        plan_class = sglang_internal(BATCH_PLAN)
     except RuntimeError as err:  # SystemExit passes SGLang's loader, which would log an Exception and go on
         logger.critical("preft: %s", err)
         raise SystemExit(f"preft: {err}") from None
     cost = SchedulingCost(cost_file) if cost_file else None
 
     def admit(original, scheduler, *args, **kwargs):
+        running_batch = args[0] if args else kwargs["running_batch"]
         queued = bool(scheduler.waiting_queue)  # a pass with nothing waiting orders nothing: not counted
-        if not feather:
-            result = original(scheduler, *args, **kwargs)
-            if cost and queued:
-                cost.add(admissions=1)
-            return result
-        state = waiting_order_of(scheduler, spec)
-        before = state.own_s
-        result = admit_in_order(original, scheduler, *args, **kwargs)
+        state = waiting_order_of(scheduler, spec) if feather else None
+        before = state.own_s if state else 0.0
+        inner = functools.partial(admit_in_order, original) if feather else original
+        if chunking:
+            result = sized_prefill(inner, scheduler, running_batch, chunk_control_of(scheduler, spec),
+                                   mixed=scheduler.is_mixed_chunk, plan_class=plan_class)
+        else:
+            result = inner(scheduler, running_batch)
         if cost and queued:
-            cost.add(admissions=1, preft_order_s=state.own_s - before)
+            cost.add(admissions=1, preft_order_s=(state.own_s - before) if state else 0.0)
         return result
 
     def run_batch(original, scheduler, batch, *args, **kwargs):
@@ -116,6 +144,10 @@ def register() -> None:
         started = time.perf_counter()
         result = original(scheduler, batch, *args, **kwargs)
         step_s = time.perf_counter() - started
+        if chunking:
+            control = chunk_control_of(scheduler, spec)
+            now = time.monotonic()
+            control.record(batch, control.pass_started_s or now - step_s, now)
         if feather:
             reward(waiting_order_of(scheduler, spec), batch, step_s)
         if cost:

@@ -12,10 +12,12 @@ becomes SGLang's ``--max-total-tokens``: the tokens whose keys and values fit in
     tokens = GiB * 2^30 / (2 * layers * kv_heads * head_dim * bytes per value).
 
 ``--scheduler`` takes ``default``/``fcfs`` (SGLang's own queue; its other policies after ``--``,
-e.g. ``-- --schedule-policy lpm``) and ``feather`` (Feather over the Chunked Hash Tree).
+e.g. ``-- --schedule-policy lpm``), ``feather`` (Feather over the Chunked Hash Tree) and
+``sloweave`` with ``--tpot-ms`` (each step's prefill chunk, SGLang in ``--enable-mixed-chunk``
+mode; SGLang's fixed chunk is its own ``-- --chunked-prefill-size C``).
 ``--adapter NAME=BUNDLE`` serves LoRA and LoRA-P bundles through SGLang's torch-native LoRA
-backend, each following its rule (:mod:`.lora_p`); a request names one as ``"lora_path": "NAME"``. ReFT-P bundles, runtime loading and SLOWeave run on
-vLLM: those flags are refused in one line.
+backend, each following its rule (:mod:`.lora_p`); a request names one as ``"lora_path": "NAME"``. ReFT-P bundles and runtime loading run on vLLM:
+those flags are refused in one line.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from pathlib import Path
 
 from preft import envs
 from preft.serving.scheduling.spec import SchedulerSpec
-from preft.serving.sglang.plugin import SGLANG_ADMISSIONS
+from preft.serving.sglang.plugin import SGLANG_ADMISSIONS, SGLANG_CHUNK_POLICIES
 
 #: ``preft serve`` flags that have no meaning on SGLang here, with the value that means "unset"
 VLLM_ONLY = {"allow_runtime_loading": False, "adapter_root": None, "resolve_adapters": False,
-             "all_token": False, "state_dir": None, "tpot_ms": None, "cost_model": None, "feather_state": None}
+             "all_token": False, "state_dir": None, "feather_state": None}
 BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -59,20 +61,23 @@ def check(args) -> SchedulerSpec:
     for flag, unset in VLLM_ONLY.items():
         if getattr(args, flag) != unset:
             raise ValueError(f"--{flag.replace('_', '-')} is not available with --engine sglang (it serves LoRA and "
-                             "LoRA-P bundles given at start-up with PreFT's admission orders; ReFT-P, runtime "
-                             "loading and SLOWeave run on vLLM)")
+                             "LoRA-P bundles given at start-up; ReFT-P, runtime loading, adapter resolving and "
+                             "kept state run on vLLM)")
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         raise ValueError("--engine sglang runs on one device here: drop --tensor-parallel-size and "
                          "--pipeline-parallel-size")
-    try:
-        spec = SchedulerSpec.parse(args.scheduler, feather_max_wait_s=args.feather_max_wait_s)
-    except ValueError as err:
-        raise ValueError(f"--scheduler: {err}") from None
-    if spec.chunk_policy != "default" or spec.admission not in SGLANG_ADMISSIONS:
-        raise ValueError(f"--scheduler {args.scheduler} does not run on SGLang: it takes default, "
-                         f"{', '.join(SGLANG_ADMISSIONS)} (SGLang's own policies after --, e.g. -- --schedule-policy lpm)")
+    from preft.serving.server import scheduler_spec
+
+    spec = SchedulerSpec.from_json(scheduler_spec(args))  # the checks vLLM's serve runs: one line each
+    if spec.chunk_policy not in SGLANG_CHUNK_POLICIES or spec.admission not in SGLANG_ADMISSIONS:
+        raise ValueError(f"--scheduler {args.scheduler} does not run on SGLang: it takes the admission orders "
+                         f"{', '.join(SGLANG_ADMISSIONS)} and the chunk policies {', '.join(SGLANG_CHUNK_POLICIES)} "
+                         "(SGLang's own policies after --, e.g. -- --schedule-policy lpm or --chunked-prefill-size 256)")
     if spec.admission == "feather" and any(a.startswith("--schedule-policy") for a in args.vllm_args):
         raise ValueError("--scheduler feather orders SGLang's waiting queue itself: drop --schedule-policy")
+    if spec.sloweave and any(a.startswith("--chunked-prefill-size") for a in args.vllm_args):
+        raise ValueError("--scheduler sloweave sets SGLang's prefill chunk each step: drop --chunked-prefill-size "
+                         "(--max-chunk caps it)")
     return spec
 
 
@@ -100,7 +105,8 @@ def lora_bundles(args, base_dir: Path) -> dict[str, tuple[str, int]]:
     return bundles
 
 
-def sglang_arguments(args, base_dir: Path, on_cpu: bool, bundles: dict | None = None) -> list[str]:
+def sglang_arguments(args, base_dir: Path, on_cpu: bool, bundles: dict | None = None,
+                     spec: SchedulerSpec | None = None) -> list[str]:
     argv = ["--model-path", str(base_dir), "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
             "--max-total-tokens", str(kv_tokens(base_dir, args.kv_cache_gib, args.dtype)),
             "--disable-overlap-schedule"]
@@ -110,6 +116,8 @@ def sglang_arguments(args, base_dir: Path, on_cpu: bool, bundles: dict | None = 
         argv += ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", str(args.max_adapters),
                  "--max-lora-rank", str(max(rank for _, rank in bundles.values())),
                  "--lora-paths", *(f"{name}={path}" for name, (path, _) in bundles.items())]
+    if spec is not None and spec.sloweave:  # each step's chunk is set per pass, up to --max-chunk, decodes in it
+        argv += ["--enable-mixed-chunk", "--chunked-prefill-size", str(spec.max_chunk)]
     if args.max_model_len != "auto":
         argv += ["--context-length", str(args.max_model_len)]
     from preft.real_models import served_name as short_name
@@ -142,7 +150,7 @@ def serve_sglang(args) -> int:
     env.pop("PREFT_SGLANG_LORA", None)
     if bundles:
         env["PREFT_SGLANG_LORA"] = "1"
-    argv = [str(python), "-m", "sglang.launch_server", *sglang_arguments(args, base_dir, on_cpu, bundles)]
+    argv = [str(python), "-m", "sglang.launch_server", *sglang_arguments(args, base_dir, on_cpu, bundles, spec)]
     print("preft serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
     os.execve(str(python), argv, env)  # the server replaces this process
     return 0  # not reached
