@@ -67,8 +67,21 @@ def _train(args) -> int:
             f"{args.config}: unknown recipe {recipe!r} in the 'recipe' key (available: {', '.join(sorted(RECIPES))})"
         )
     module = importlib.import_module(RECIPES[recipe])
-    module.main(config)
+    try:
+        module.main(config)
+    finally:
+        _end_process_group()
     return 0
+
+
+def _end_process_group() -> None:
+    """A run under ``accelerate launch`` or ``torchrun`` ends its process group itself: left to
+    the interpreter's exit, the backend's threads can abort a rank after the run has finished
+    ("terminate called without an active exception"), and the launcher reports the run failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _demo(args) -> int:
