@@ -26,6 +26,7 @@ round, reported as the median and range over rounds.
 
 from __future__ import annotations
 
+import re
 import statistics
 import urllib.request
 from pathlib import Path
@@ -46,6 +47,12 @@ def flush_cache(url: str) -> None:
         response.read()
 
 
+def prefill_tokens_per_step(log: Path) -> list[int]:
+    """The new prompt tokens of every prefill step SGLang logged (``Prefill batch, ... #new-token: N``)."""
+    found = re.findall(r"Prefill batch, .*?#new-token: (\d+)", log.read_text(errors="replace"))
+    return [int(tokens) for tokens in found]
+
+
 def search_on_one_server(policy: str, model_dir: str, settings: dict, seed: int, run_dir: Path,
                          label: str) -> dict[str, Any]:
     """The policy's SLO capacity, every probe on one ``preft serve --engine sglang``."""
@@ -59,7 +66,8 @@ def search_on_one_server(policy: str, model_dir: str, settings: dict, seed: int,
             str(settings["max_len"]), *own, "--", "--max-running-requests", str(settings["max_running"]),
             "--max-total-tokens", str(settings["kv_tokens"]), *sglang]
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    proc, url, _ = start_server(args, run_dir / "logs" / f"server-{label}.log", timeout_s=300)
+    log = run_dir / "logs" / f"server-{label}.log"
+    proc, url, _ = start_server(args, log, timeout_s=300)
     tpot_s, ttft_s = settings["tpot_ms"] / 1e3, settings["ttft_s"]
     try:
         warm_up(url, [model_dir], rounds=2)
@@ -74,9 +82,13 @@ def search_on_one_server(policy: str, model_dir: str, settings: dict, seed: int,
             print(f"[sglang-chunks] {label}: {rate:.2f} req/s -> {100 * value:.0f}% within the targets", flush=True)
             return value
 
-        return search(at, settings["start_rate"], settings["probes"])
+        found = search(at, settings["start_rate"], settings["probes"])
     finally:
         stop_server(proc)
+    chunks = prefill_tokens_per_step(log)
+    found["prefill_steps"] = len(chunks)
+    found["prefill_tokens_per_step_median"] = statistics.median(chunks) if chunks else None
+    return found
 
 
 def run(model: str, out: Path, settings: dict) -> dict[str, Any]:
@@ -99,7 +111,10 @@ def run(model: str, out: Path, settings: dict) -> dict[str, Any]:
     summary = {}
     for policy in policies:
         values = [r["capacity"] for r in rows if r["policy"] == policy]
+        chunks = [r["search"]["prefill_tokens_per_step_median"] for r in rows if r["policy"] == policy
+                  and r["search"].get("prefill_tokens_per_step_median") is not None]
         summary[policy] = {"median": statistics.median(values), "range": [min(values), max(values)],
+                           "prefill_tokens_per_step": statistics.median(chunks) if chunks else None,
                            "lower_bound": not all(r["bracketed"] for r in rows if r["policy"] == policy)}
     ratios = []
     for round_index in range(settings["rounds"]):
@@ -150,14 +165,17 @@ def markdown(result: dict) -> str:
         f"{settings['tpot_ms']:g}` (online cost model from the conservative prior). One server per policy and round, "
         f"its cache flushed between probes; {settings['rounds']} rounds (a new trace seed each), median [range].", "",
         "![SLOWeave on SGLang](sglang_chunks.png)", "",
-        "| policy | SLO capacity (req/s) | probes (req/s: share within the targets), last round |", "|---|---|---|"]
+        "| policy | SLO capacity (req/s) | prompt tokens per prefill step (median) | probes (req/s: share within the "
+        "targets), last round |", "|---|---|---|---|"]
     last = max(r["round"] for r in result["rows"])
     for policy, entry in result["summary"].items():
         probes = next(r["search"]["probes"] for r in result["rows"] if r["policy"] == policy and r["round"] == last)
         seen = ", ".join(f"{p['rate']:.2f}: {100 * p['attainment']:.0f}%" for p in probes)
         at_least = "at least " if entry["lower_bound"] else ""  # no probe of some round failed
+        chunk = entry.get("prefill_tokens_per_step")
         lines.append(f"| {policy} | {at_least}{entry['median']:.2f} [{entry['range'][0]:.2f}-{entry['range'][1]:.2f}] "
-                     f"| {seen} |")
+                     f"| {chunk:.0f} | {seen} |" if chunk is not None else f"| {policy} | {at_least}"
+                     f"{entry['median']:.2f} [{entry['range'][0]:.2f}-{entry['range'][1]:.2f}] | - | {seen} |")
     if ratio is not None:
         low, high = result["sloweave_vs_best_fixed_range"]
         lines += ["", f"SLOWeave over the best fixed chunk, per round: **{ratio:.2f}x** [{low:.2f}-{high:.2f}]"
