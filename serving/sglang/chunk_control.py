@@ -117,7 +117,7 @@ def sized_prefill(original, scheduler, running_batch, control: ChunkControl, mix
     budget = control.policy.prefill_budget(view)
     control.budgets = (control.budgets + [budget])[-256:]
     control.own_s += time.perf_counter() - started
-    if 0 < budget < view.pending_prefill_tokens and view.num_decodes > 0:
+    if 0 < budget < view.pending_prefill_tokens:
         control.log_once("cut", "preft: %s gave a step %d of %d prefill tokens beside %d decodes",
                          control.policy.name, budget, view.pending_prefill_tokens, view.num_decodes)
     if budget <= 0 and view.num_decodes > 0:

@@ -54,9 +54,9 @@ def test_feather_on_sglang_serves_fcfs_tokens_equal_to_the_reference(tmp_path):
 
 
 def test_sloweave_on_sglang_serves_the_reference_tokens(tmp_path):
-    """SLOWeave with a TPOT target this CPU cannot keep beside a whole prompt: it cuts prompts
-    into chunks and gives steps to the decodes alone, and the tokens stay the reference's."""
-    sloweave, log = served_texts("sloweave", tmp_path / "sloweave.log", "--tpot-ms", "5")
+    """SLOWeave with a TPOT target no step of this CPU keeps (5 ms) gives steps to the decodes
+    alone, and with --max-chunk 16 cuts every prompt into chunks; the tokens stay the reference's."""
+    sloweave, log = served_texts("sloweave", tmp_path / "sloweave.log", "--tpot-ms", "5", "--max-chunk", "16")
     assert "preft: SGLang's prefill chunk set each step by sloweave" in log
     assert "preft: sloweave gave a step no prefill (decode only)" in log
     assert "preft: sloweave gave a step" in log and "prefill tokens beside" in log  # a prompt cut into chunks
