@@ -163,8 +163,11 @@ def serve_trace(model_dir: str, policy_args: list[str], trace: Path, label: str,
     step_trace.unlink(missing_ok=True)
     if engine == "sglang":
         # SGLang's own chunk unless a flag of vllm_extra sets it or the plugin sets it per step (SLOWeave)
+        from preft.serving.scheduling.spec import SchedulerSpec
+
+        scheduler = policy_args[policy_args.index("--scheduler") + 1] if "--scheduler" in policy_args else "default"
         chunk_given = (any(a.startswith("--chunked-prefill-size") for a in vllm_extra)
-                       or any("sloweave" in a for a in policy_args))
+                       or SchedulerSpec.parse(scheduler).sloweave)
         args = ["--engine", "sglang", "--model", model_dir, "--dtype", "float32", "--max-model-len",
                 str(settings["max_len"]), *policy_args, "--", "--max-running-requests", str(settings["max_num_seqs"]),
                 *([] if chunk_given else ["--chunked-prefill-size", str(settings["max_num_batched_tokens"])]),

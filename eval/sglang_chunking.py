@@ -26,6 +26,7 @@ round, reported as the median and range over rounds.
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import urllib.request
@@ -51,6 +52,20 @@ def prefill_tokens_per_step(log: Path) -> list[int]:
     """The new prompt tokens of every prefill step SGLang logged (``Prefill batch, ... #new-token: N``)."""
     found = re.findall(r"Prefill batch, .*?#new-token: (\d+)", log.read_text(errors="replace"))
     return [int(tokens) for tokens in found]
+
+
+def latency_at(run_dir: Path, label: str, rate: float) -> dict[str, float] | None:
+    """TTFT p90 (s) and TPOT p50 (ms) of the probe of ``label`` at ``rate``, from the result file
+    ``vllm bench serve`` saved for it (None if that rate was not probed)."""
+    path = run_dir / f"bench-{label}-{rate:.3f}.json"
+    if not path.is_file():
+        return None
+    bench = json.loads(path.read_text())
+    ttfts = sorted(t for t in bench["ttfts"] if t)
+    tpots = sorted(sum(itl) / len(itl) for itl in bench["itls"] if itl)
+    if not ttfts or not tpots:
+        return None
+    return {"ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], "tpot_p50_ms": 1e3 * statistics.median(tpots)}
 
 
 def search_on_one_server(policy: str, model_dir: str, settings: dict, seed: int, run_dir: Path,
@@ -122,7 +137,13 @@ def run(model: str, out: Path, settings: dict) -> dict[str, Any]:
         best_fixed = max((value for policy, value in here.items() if policy.startswith("fixed:")), default=0.0)
         if "sloweave" in here and best_fixed > 0:
             ratios.append(here["sloweave"] / best_fixed)
-    return {"settings": settings, "rows": rows, "summary": summary,
+    last = settings["rounds"] - 1
+    probed = [{p["rate"] for p in r["search"]["probes"]} for r in rows if r["round"] == last]
+    common = max(set.intersection(*probed)) if probed and set.intersection(*probed) else None
+    for policy in policies:  # what each policy's requests saw at one rate every policy served
+        summary[policy]["at_common_rate"] = (latency_at(out, f"r{last}-{policy.replace(':', '')}", common)
+                                             if common else None)
+    return {"settings": settings, "rows": rows, "summary": summary, "common_rate": common,
             "sloweave_vs_best_fixed": statistics.median(ratios) if ratios else None,
             "sloweave_vs_best_fixed_range": [min(ratios), max(ratios)] if ratios else None}
 
@@ -140,7 +161,7 @@ def plot(result: dict, path: Path) -> None:
     high = [summary[n]["range"][1] - summary[n]["median"] for n in names]
     figure, axis = plt.subplots(figsize=(6, 3.6))
     axis.bar(names, medians, yerr=[low, high], capsize=4,
-             color=["#888888"] * (len(names) - 1) + ["#dd8452"] if names[-1] == "sloweave" else "#888888")
+             color=["#dd8452" if name == "sloweave" else "#888888" for name in names])
     settings = result["settings"]
     axis.set_ylabel("SLO capacity (req/s)")
     axis.set_title(f"SGLang, {settings['workload']}: TPOT <= {settings['tpot_ms']:g} ms, TTFT <= {settings['ttft_s']:g} s")
@@ -165,17 +186,19 @@ def markdown(result: dict) -> str:
         f"{settings['tpot_ms']:g}` (online cost model from the conservative prior). One server per policy and round, "
         f"its cache flushed between probes; {settings['rounds']} rounds (a new trace seed each), median [range].", "",
         "![SLOWeave on SGLang](sglang_chunks.png)", "",
-        "| policy | SLO capacity (req/s) | prompt tokens per prefill step (median) | probes (req/s: share within the "
-        "targets), last round |", "|---|---|---|---|"]
+        f"| policy | SLO capacity (req/s) | prompt tokens per prefill step (median) | TTFT p90 (s) / TPOT p50 (ms) at "
+        f"{result.get('common_rate') or 0:.2f} req/s, last round | probes (req/s: share within the targets), last round |",
+        "|---|---|---|---|---|"]
     last = max(r["round"] for r in result["rows"])
     for policy, entry in result["summary"].items():
         probes = next(r["search"]["probes"] for r in result["rows"] if r["policy"] == policy and r["round"] == last)
         seen = ", ".join(f"{p['rate']:.2f}: {100 * p['attainment']:.0f}%" for p in probes)
         at_least = "at least " if entry["lower_bound"] else ""  # no probe of some round failed
         chunk = entry.get("prefill_tokens_per_step")
+        there = entry.get("at_common_rate")
+        latency = f"{there['ttft_p90_s']:.2f} / {there['tpot_p50_ms']:.0f}" if there else "-"
         lines.append(f"| {policy} | {at_least}{entry['median']:.2f} [{entry['range'][0]:.2f}-{entry['range'][1]:.2f}] "
-                     f"| {chunk:.0f} | {seen} |" if chunk is not None else f"| {policy} | {at_least}"
-                     f"{entry['median']:.2f} [{entry['range'][0]:.2f}-{entry['range'][1]:.2f}] | - | {seen} |")
+                     f"| {f'{chunk:.0f}' if chunk is not None else '-'} | {latency} | {seen} |")
     if ratio is not None:
         low, high = result["sloweave_vs_best_fixed_range"]
         lines += ["", f"SLOWeave over the best fixed chunk, per round: **{ratio:.2f}x** [{low:.2f}-{high:.2f}]"

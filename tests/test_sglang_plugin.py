@@ -252,8 +252,7 @@ def test_sloweave_sets_each_steps_chunk_from_the_earliest_deadline(since_last_ms
     control.last_token_s["d"] = clock.monotonic() - since_last_ms / 1e3
     control.first_token_s["d"] = control.last_token_s["d"] - 0.040  # 3 tokens on time: no slack to spend
     running = SimpleNamespace(reqs=[decode])
-    result = sized_prefill(MixedScheduler.get_new_batch_prefill, scheduler, running, control, mixed=True,
-                           plan_class=Plan)
+    result = sized_prefill(MixedScheduler.get_new_batch_prefill, scheduler, running, control, plan_class=Plan)
     if chunk == 0:  # no chunk fits before the deadline: a decode-only step, the request keeps waiting
         assert isinstance(result, Plan) and result.batch_to_run is None and result.running_batch is running
         assert scheduler.prefilled == [] and len(scheduler.waiting_queue) == 1
@@ -275,7 +274,7 @@ def test_without_decodes_the_whole_prompt_goes_and_steps_reach_the_cost_model():
     done, chunked = sglang_req("a", 300), sglang_req("b", 300)
     scheduler.waiting_queue = [done, chunked]
     sized_prefill(MixedScheduler.get_new_batch_prefill, scheduler, SimpleNamespace(reqs=[]), control,
-                  mixed=True, plan_class=Plan)
+                  plan_class=Plan)
     assert scheduler.prefilled == [512] and scheduler.chunked_req is chunked  # no deadline: up to --max-chunk
     chunked.inflight_middle_chunks = 1
     mode = SimpleNamespace(is_idle=lambda: False, is_decode=lambda: False)

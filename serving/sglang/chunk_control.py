@@ -52,8 +52,6 @@ class ChunkControl:
         self.last_token_s: dict[str, float] = {}
         self.first_token_s: dict[str, float] = {}
         self.pass_started_s: float | None = None
-        self.budgets: list[int] = []  # the last budgets given (a window, for tests and logs)
-        self.own_s = 0.0  # time spent sizing and recording, outside SGLang's calls
         self.logged: set[str] = set()  # the first cut chunk and the first decode-only step are logged
 
     def log_once(self, what: str, message: str, *args) -> None:
@@ -82,7 +80,6 @@ class ChunkControl:
 
     def record(self, batch, started_s: float, now: float) -> None:
         """A step that ran: its requests' token times, its shape and time to the cost model."""
-        began = time.perf_counter()
         mode = batch.forward_mode
         if mode.is_idle() or not batch.reqs:
             return
@@ -102,21 +99,17 @@ class ChunkControl:
             prefill, context = int(batch.extend_num_tokens) - decodes, int(sum(batch.prefix_lens))
         if self.cost_learner is not None:
             self.cost_learner.observe(decodes, prefill, context, now - started_s)
-        self.own_s += time.perf_counter() - began
 
 
-def sized_prefill(original, scheduler, running_batch, control: ChunkControl, mixed: bool, plan_class):
+def sized_prefill(original, scheduler, running_batch, control: ChunkControl, plan_class):
     """SGLang's ``get_new_batch_prefill`` with this step's chunk set by ``control``'s policy; its
     plan, or a ``plan_class`` (SGLang's ``NextBatchPlan``) with no prefill batch when the policy
     gives the step no prefill token."""
-    started = time.perf_counter()
     control.pass_started_s = now = time.monotonic()
     if not scheduler.waiting_queue and scheduler.chunked_req is None:
         return original(scheduler, running_batch)
     view = control.step_view(scheduler, running_batch, now)
     budget = control.policy.prefill_budget(view)
-    control.budgets = (control.budgets + [budget])[-256:]
-    control.own_s += time.perf_counter() - started
     if 0 < budget < view.pending_prefill_tokens:
         control.log_once("cut", "preft: %s gave a step %d of %d prefill tokens beside %d decodes",
                          control.policy.name, budget, view.pending_prefill_tokens, view.num_decodes)
@@ -125,7 +118,8 @@ def sized_prefill(original, scheduler, running_batch, control: ChunkControl, mix
                          control.policy.name, view.num_decodes)
         return plan_class(batch_to_run=None, running_batch=running_batch)
     saved = scheduler.chunked_prefill_size
-    scheduler.chunked_prefill_size = max(1, budget) + (len(running_batch.reqs) if mixed else 0)
+    # in a mixed step the running decodes take their tokens out of SGLang's chunk
+    scheduler.chunked_prefill_size = max(1, budget) + (len(running_batch.reqs) if scheduler.is_mixed_chunk else 0)
     try:
         return original(scheduler, running_batch)
     finally:

@@ -130,8 +130,7 @@ def register() -> None:
         before = state.own_s if state else 0.0
         inner = functools.partial(admit_in_order, original) if feather else original
         if chunking:
-            result = sized_prefill(inner, scheduler, running_batch, chunk_control_of(scheduler, spec),
-                                   mixed=scheduler.is_mixed_chunk, plan_class=plan_class)
+            result = sized_prefill(inner, scheduler, running_batch, chunk_control_of(scheduler, spec), plan_class)
         else:
             result = inner(scheduler, running_batch)
         if cost and queued:
