@@ -28,7 +28,19 @@ import preft
 from preft.families import FAMILIES, model_load_kwargs, tiny_model
 
 FAMILY_NAMES = list(FAMILIES)
+#: the families whose engine parity test runs in ``make test``: Llama (the default base model's
+#: family) and Phi-3 (packed ``qkv_proj`` / ``gate_up_proj``, the one family whose LoRA layers vLLM
+#: slices). The rest carry the ``families`` marker and run in ``make test-families``.
+IN_MAKE_TEST = ("llama", "phi3")
 _ROOT: Path | None = None
+
+
+def family_params(in_make_test=IN_MAKE_TEST) -> list:
+    """Every family as a pytest parameter, those outside ``in_make_test`` marked ``families``."""
+    import pytest
+
+    return [name if name in in_make_test else pytest.param(name, marks=pytest.mark.families)
+            for name in FAMILY_NAMES]
 
 
 def family_dir(model_type: str) -> str:

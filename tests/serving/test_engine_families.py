@@ -8,7 +8,8 @@ every linear module (Phi-3's packed ``qkv_proj`` / ``gate_up_proj`` included), a
 must answer otherwise, and equal HF's all-token LoRA) and the bare base model. Then the
 longest prompt once more per adapter, one request at a time: its first KV block (128 tokens on
 CPU) comes from the prefix cache, and the answers still equal HF's. OLMo 2 runs through vLLM's
-Transformers backend, the others through vLLM's own model classes.
+Transformers backend, the others through vLLM's own model classes. ``make test`` runs Llama and
+Phi-3 (:data:`family_models.IN_MAKE_TEST`), ``make test-families`` the other six.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from peft import PeftModel, get_peft_model
 import preft
 from conftest import greedy_ids, strengthen_reft
 from engine_pool import shared_pool
-from family_models import FAMILY_NAMES, family_dir, load_family_model, load_family_tokenizer
+from family_models import FAMILY_NAMES, family_dir, family_params, load_family_model, load_family_tokenizer
 from preft.data import pretraining_corpus
 from preft.export import export_adapter
 from reference.independent import greedy_each
@@ -48,7 +49,7 @@ def all_token_copy(adapter_dir, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", family_params())
 def test_family_serves_lora_p_and_reft_p_token_exact(family, tmp_path):
     path = family_dir(family)
     tokenizer = load_family_tokenizer(path)  # the tokenizer vLLM loads from the directory

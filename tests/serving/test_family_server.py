@@ -10,9 +10,9 @@ tokenizer of that directory makes (plain and chat-templated); the same LoRA weig
 answer otherwise (control).
 
 One family's run costs about 80 s on 2 cores (two `preft train` runs and a server start of about
-50 s), so ``make test`` serves Qwen3 this way and ``make test-families`` serves all eight (the
-``family_servers`` marker, deselected by default); every family's engine path, the part that
-differs by family, is in ``test_engine_families.py`` in ``make test``.
+50 s), so every family's run is in ``make test-families`` (the ``families`` marker, deselected by
+default); ``make test`` serves the default model over HTTP (``tests/live_server.py``) and runs
+the engine path of Llama and Phi-3 (``test_engine_families.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ import pytest
 from peft import PeftModel
 
 from conftest import greedy_ids
-from family_models import family_dir, load_family_model, load_family_tokenizer
+from family_models import family_dir, family_params, load_family_model, load_family_tokenizer
 from preft.cli import main as cli_main
 from preft.eval.harness.server_process import start_server, stop_server
-from preft.families import FAMILIES
 from test_engine_families import all_token_copy
 
-IN_MAKE_TEST = "qwen3"
 NEW_TOKENS = 8
 PROMPTS = ["add 12 35 =", "reverse 3 1 4 =", "the quiet"]
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
@@ -47,9 +45,7 @@ def trained(recipe: str, path: str, out) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [
-    family if family == IN_MAKE_TEST else pytest.param(family, marks=pytest.mark.family_servers)
-    for family in FAMILIES])
+@pytest.mark.parametrize("family", family_params(in_make_test=()))
 def test_preft_serve_answers_a_family_checkpoint_token_exact(tmp_path, family):
     path = family_dir(family)
     tokenizer = load_family_tokenizer(path)
