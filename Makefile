@@ -16,7 +16,7 @@ else
   EXTRA := cpu
 endif
 
-.PHONY: install models demo test test-real test-families sglang test-sglang bench eval docs gpu-check gpu-check-hf base-model clean
+.PHONY: install models demo test test-real test-families test-parallel sglang test-sglang bench eval docs gpu-check gpu-check-hf base-model clean
 
 install: $(STAMP)
 
@@ -51,6 +51,12 @@ test-real: models
 # and Phi-3's) and preft serve over HTTP on a local checkpoint of each: about 12 minutes on 2 cores.
 test-families: install
 	WANDB_MODE=offline $(BIN)/python -m pytest -q -m families tests/serving/test_engine_families.py tests/serving/test_family_server.py
+
+# More than one process on 2 cores, each a minute or less: vLLM's tensor-parallel engine, and
+# FSDP2's SFT, GRPO's and ReFT-P's runs under accelerate launch (make test runs pipeline
+# parallel and DDP's SFT): about 2 minutes on 2 cores.
+test-parallel: install
+	WANDB_MODE=offline $(BIN)/python -m pytest -q -m parallel tests/serving/test_parallel_engines.py tests/test_distributed_training.py tests/test_trainers.py
 
 # SGLang 0.5.23 as the second engine, on a CPU, in its own venv (.venv-sglang: it pins other
 # versions than vLLM). PyPI has no CPU build of SGLang's kernels: SGLang runs its plain-torch

@@ -9,6 +9,8 @@ shipped accelerate configs, as a user runs them:
   left the model unwrapped, the two processes trained two copies, and the loss missed by 1.4%;
 - DDP, GRPO with LoRA-P: runs, learns a non-identity adapter and writes its summary once.
   Its loss is not compared: TRL samples completions with a per-process seed.
+
+``make test`` runs DDP's SFT; FSDP2 and GRPO run in ``make test-parallel``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def single_sft(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ddp", "fsdp"])
+@pytest.mark.parametrize("config", ["ddp", pytest.param("fsdp", marks=pytest.mark.parallel)])
 def test_sft_on_two_processes_matches_one(config, single_sft, tmp_path):
     out = tmp_path / config
     launch(config, SFT, out, per_device_train_batch_size=8)
@@ -72,6 +74,7 @@ def test_sft_on_two_processes_matches_one(config, single_sft, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parallel  # make test-parallel
 def test_grpo_runs_under_ddp(tmp_path):
     out = tmp_path / "grpo"
     recipe = ["recipes/configs/grpo_lora_p.yaml", "trainer.max_steps=2", "trainer.save_strategy=no",

@@ -161,6 +161,7 @@ def test_bad_sft_datasets(tmp_path, rows, message):
 
 
 @pytest.mark.slow
+@pytest.mark.parallel  # make test-parallel
 def test_accelerate_launch_runs_a_reft_p_recipe_on_two_processes(tmp_path):
     """ReFT-P under DDP (LoRA-P's DDP and FSDP runs are compared with one process in
     tests/test_distributed_training.py)."""

@@ -12,7 +12,8 @@ In each, one engine serves LoRA-P, ReFT-P, all-token LoRA and base requests unde
 64-token prefill budget a step (every prompt of 116 tokens or more crosses chunks), prefix hits (two shared 140-token system
 prompts) and preemption (a KV cache of 8 blocks of 128 tokens, and prompts that cross a block
 while decoding): the greedy tokens equal HF's (float32), and a repeat of the batch, served from
-the prefix cache, equals the first.
+the prefix cache, equals the first. ``make test`` runs pipeline parallel; tensor parallel runs in
+``make test-parallel``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def test_pipeline_parallel_two_stages_keep_the_rule(tmp_path, base_path, tokeniz
 
 
 @pytest.mark.slow
+@pytest.mark.parallel  # make test-parallel
 def test_tensor_parallel_two_shards_keep_the_rule(tmp_path, tokenizer):
     base = tmp_path / "base_256x2"
     random_llama(len(tokenizer), hidden_size=256, num_layers=2, heads=4, kv_heads=2,
