@@ -97,7 +97,7 @@ def prompts_of(tokenizer, count: int, prompt_tokens: int) -> list[str]:
 class Engine:
     """One variant's engine (:class:`preft.eval.harness.engine_driver.EngineProcess`), kept alive."""
 
-    def __init__(self, name: str, settings: dict, spec: dict, tmp: Path) -> None:
+    def __init__(self, name: str, settings: dict, spec: dict, tmp: Path, wait: bool = True) -> None:
         engine = {"max_num_seqs": len(spec["prompts"]), **spec.get("engine", {})}  # engine: e.g. GPU settings
         slots = max(spec["adapter_counts"]) + 1
         if settings["lora"]:
@@ -108,7 +108,8 @@ class Engine:
         # 1 GiB of KV holds every batch of this bench (64 x 96 tokens of SmolLM2: 0.3 GiB in float32);
         # more would only take memory from the five engines that run side by side.
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PREFT_REFT_SLOTS": str(slots), **settings["env"]}
-        self.engine = EngineProcess(spec["model"], engine, env=env, log_path=tmp / f"{name.replace(' ', '_')}.log")
+        self.engine = EngineProcess(spec["model"], engine, env=env, log_path=tmp / f"{name.replace(' ', '_')}.log",
+                                    wait=wait)
 
     def requests(self, count: int) -> list[dict]:
         """The benchmark batch with request i on adapter i % count."""
@@ -133,8 +134,13 @@ def measure(spec: dict, tmp: Path, rounds: int) -> list[dict]:
     engines = {}
     names = spec.get("variants") or list(VARIANTS)
     try:
-        for name in tqdm(names, desc="start engines"):
-            engines[name] = Engine(name, VARIANTS[name], spec, tmp)
+        # on a CPU the engines start side by side (a start is mostly one core importing vLLM); on a
+        # GPU one after another, so that each measures the memory the others already hold
+        side_by_side = not torch.cuda.is_available()
+        for name in names:
+            engines[name] = Engine(name, VARIANTS[name], spec, tmp, wait=not side_by_side)
+        for engine in tqdm(engines.values(), desc="start engines"):
+            engine.engine.wait_ready()
         measured = []
         steps = tqdm(total=(rounds + 1) * len(spec["adapter_counts"]) * len(names), desc="interleaved runs")
         for round_index in range(rounds + 1):

@@ -45,7 +45,10 @@ class EngineProcess:
     """The parent's handle on one engine process (see the module docstring)."""
 
     def __init__(self, model: str, engine: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                 log_path: str | Path | None = None, timeout_s: float = 600) -> None:
+                 log_path: str | Path | None = None, timeout_s: float = 600, wait: bool = True) -> None:
+        """Start the engine's process; with ``wait`` (the default) return once it is ready, else
+        call :meth:`wait_ready` before the first command (several engines then start side by
+        side: most of a start is one core importing vLLM)."""
         self.workdir = tempfile.TemporaryDirectory(prefix="preft-engine-")
         spec = Path(self.workdir.name) / "spec.json"
         spec.write_text(json.dumps({"model": model, "engine": engine or {}}))
@@ -58,7 +61,16 @@ class EngineProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "preft.eval.harness.engine_driver", str(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=environment)
-        self._read()  # ready
+        self.ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> EngineProcess:
+        """Block until the engine has started (its first answer)."""
+        if not self.ready:
+            self._read()
+            self.ready = True
+        return self
 
     def _read(self) -> dict:
         for line in self.proc.stdout:
