@@ -97,7 +97,7 @@ def prompts_of(tokenizer, count: int, prompt_tokens: int) -> list[str]:
 class Engine:
     """One variant's engine (:class:`preft.eval.harness.engine_driver.EngineProcess`), kept alive."""
 
-    def __init__(self, name: str, settings: dict, spec: dict, tmp: Path, wait: bool = True) -> None:
+    def __init__(self, name: str, settings: dict, spec: dict, tmp: Path) -> None:
         engine = {"max_num_seqs": len(spec["prompts"]), **spec.get("engine", {})}  # engine: e.g. GPU settings
         slots = max(spec["adapter_counts"]) + 1
         if settings["lora"]:
@@ -109,7 +109,7 @@ class Engine:
         # more would only take memory from the five engines that run side by side.
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PREFT_REFT_SLOTS": str(slots), **settings["env"]}
         self.engine = EngineProcess(spec["model"], engine, env=env, log_path=tmp / f"{name.replace(' ', '_')}.log",
-                                    wait=wait)
+                                    wait=False)  # started; ready at its first command (measure waits)
 
     def requests(self, count: int) -> list[dict]:
         """The benchmark batch with request i on adapter i % count."""
@@ -137,9 +137,11 @@ def measure(spec: dict, tmp: Path, rounds: int) -> list[dict]:
         # on a CPU the engines start side by side (a start is mostly one core importing vLLM); on a
         # GPU one after another, so that each measures the memory the others already hold
         side_by_side = not torch.cuda.is_available()
-        for name in names:
-            engines[name] = Engine(name, VARIANTS[name], spec, tmp, wait=not side_by_side)
-        for engine in tqdm(engines.values(), desc="start engines"):
+        for name in tqdm(names, desc="start engines"):
+            engines[name] = Engine(name, VARIANTS[name], spec, tmp)
+            if not side_by_side:
+                engines[name].engine.wait_ready()
+        for engine in engines.values():
             engine.engine.wait_ready()
         measured = []
         steps = tqdm(total=(rounds + 1) * len(spec["adapter_counts"]) * len(names), desc="interleaved runs")

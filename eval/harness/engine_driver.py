@@ -47,8 +47,8 @@ class EngineProcess:
     def __init__(self, model: str, engine: dict[str, Any] | None = None, env: dict[str, str] | None = None,
                  log_path: str | Path | None = None, timeout_s: float = 600, wait: bool = True) -> None:
         """Start the engine's process; with ``wait`` (the default) return once it is ready, else
-        call :meth:`wait_ready` before the first command (several engines then start side by
-        side: most of a start is one core importing vLLM)."""
+        at once: the first command (or :meth:`wait_ready`) waits, and several engines start side
+        by side (most of a start is one core importing vLLM)."""
         self.workdir = tempfile.TemporaryDirectory(prefix="preft-engine-")
         spec = Path(self.workdir.name) / "spec.json"
         spec.write_text(json.dumps({"model": model, "engine": engine or {}}))
@@ -86,6 +86,7 @@ class EngineProcess:
         return self.log_path.read_text()[-chars:]
 
     def _ask(self, command: dict) -> dict:
+        self.wait_ready()  # the ready answer is never taken for a command's
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
         return self._read()
