@@ -39,8 +39,13 @@ models: install
 demo: install
 	WANDB_MODE=offline $(BIN)/preft demo
 
+# Two pytest workers (pytest-xdist): most tests wait on a server or an engine start, which is
+# mostly one core importing vLLM. The tests that share a process-wide resource run in one worker
+# (tests/conftest.py: the live server's, the engine pool's, each module's). OpenMP threads sleep
+# instead of spinning when idle (OMP_WAIT_POLICY=PASSIVE): two workers' spinning threads on
+# 2 cores took 16 minutes where sleeping ones take 7.
 test: install
-	WANDB_MODE=offline $(BIN)/python -m pytest -q --durations=15 tests
+	OMP_WAIT_POLICY=PASSIVE WANDB_MODE=offline $(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=15 tests
 
 # The real-model tier: conversion, engine parity with HF and chat on SmolLM2-135M-Instruct and
 # Gemma 3 270M, the tour and the precision benchmark (about 14 minutes on 2 cores, the models prepared).

@@ -125,8 +125,36 @@ def saved_adapter(tmp_path, base_path):
 from live_server import adapters, group_server_tests, reference, server, stop_after_last_user  # noqa: E402,F401
 
 
+@pytest.hookimpl(wrapper=True)  # before every other hook: pytest-xdist's worker reads the groups
 def pytest_collection_modifyitems(session, config, items):
     group_server_tests(items)
+    group_for_workers(items)
+    return (yield)
+
+
+def worker_group(item) -> str:
+    """The tests that must share one pytest process under ``pytest -n`` (pytest-xdist's
+    ``--dist loadgroup``): the live server's users, the users of the shared engine pool, and
+    each module's own tests (its module-scoped fixtures are built once)."""
+    if "server" in getattr(item, "fixturenames", ()):
+        return "live_server"
+    if getattr(item.module, "shared_pool", None) is not None:
+        return "engine_pool"
+    return item.nodeid.split("::", 1)[0]
+
+
+def group_for_workers(items) -> None:
+    """Mark each test with its :func:`worker_group` and put the heaviest groups first (a slow test
+    counts as ten), so that the last group a worker takes is a short one; within a group the
+    order is kept. Without ``-n`` the marks do nothing and only the order changes."""
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(worker_group(item), []).append(item)
+    weight = {name: sum(10 if item.get_closest_marker("slow") else 1 for item in members)
+              for name, members in groups.items()}
+    items[:] = [item for name in sorted(groups, key=lambda name: -weight[name]) for item in groups[name]]
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
 
 
 def pytest_runtest_teardown(item, nextitem):
