@@ -115,10 +115,10 @@ def warm_up(url: str, models: list[str], rounds: int = 4) -> None:
         with urllib.request.urlopen(request, timeout=120) as response:
             response.read()
 
-    many = len(models) > MANY_NAMES
+    each_round, rounds = (models, 1) if len(models) > MANY_NAMES else (models * 4, rounds)
     with ThreadPoolExecutor(max_workers=16) as pool:
-        for _ in range(1 if many else rounds):
-            list(pool.map(one, models if many else models * 4))
+        for _ in range(rounds):
+            list(pool.map(one, each_round))
 
 
 def bench_trace(url: str, model_dir: str, trace: Path, label: str, run_dir: Path,

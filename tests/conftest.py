@@ -149,12 +149,12 @@ def group_for_workers(items) -> None:
     order is kept. Without ``-n`` the marks do nothing and only the order changes."""
     groups: dict[str, list] = {}
     for item in items:
-        groups.setdefault(worker_group(item), []).append(item)
+        name = worker_group(item)
+        item.add_marker(pytest.mark.xdist_group(name))
+        groups.setdefault(name, []).append(item)
     weight = {name: sum(10 if item.get_closest_marker("slow") else 1 for item in members)
               for name, members in groups.items()}
     items[:] = [item for name in sorted(groups, key=lambda name: -weight[name]) for item in groups[name]]
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
 
 
 def pytest_runtest_teardown(item, nextitem):
