@@ -451,9 +451,17 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
                 "capacity_requests": capacity_requests}
     settings["engine_tpot_scales"] = (_parse(engine_tpot_scales, float, "engine-tpot-scales") if engine_tpot_scales
                                       else settings["tpot_scales"])
-    for kind in settings["workloads"] + [engine_workload]:
+    settings["engine_workloads"] = _parse(engine_workload, str, "engine-workload")
+    for kind in settings["workloads"] + settings["engine_workloads"]:
         if kind not in workload_module.KINDS:
             raise ValueError(f"unknown workload {kind!r} (choose from {', '.join(workload_module.KINDS)})")
+    if not capacity and len(settings["engine_workloads"]) > 1:
+        raise ValueError("--engine-workload takes one workload (several only with --capacity)")
+    if capacity and settings["engine_policies"]:
+        missing = [kind for kind in settings["engine_workloads"] if kind not in settings["workloads"]]
+        if missing:
+            raise ValueError(f"--engine-workload {','.join(missing)} is not in --workloads: with --capacity the "
+                             "engine searches the workloads the simulator runs")
     for name in settings["policies"] + settings["engine_policies"]:
         make_policy(name, cost_model=StepCostModel.synthetic(), tpot_s=1.0)  # a bad name fails here
     if requests < 10 or engine_requests < 1 or not settings["loads"] or min(settings["loads"]) <= 0:
@@ -598,7 +606,8 @@ def add_arguments(parser) -> None:
         ("--requests", int, "requests per simulated point"),
         ("--max-num-seqs", int, "the engine's (and simulator's) running-request limit"),
         ("--engine-policies", str, "policies run on the real engine ('' for none)"),
-        ("--engine-workload", str, "the workload run on the real engine"),
+        ("--engine-workload", str, "the workload run on the real engine (with --capacity: comma-separated, of "
+                                   "--workloads)"),
         ("--engine-load", float, "its rate as a fraction of capacity"),
         ("--engine-requests", int, "requests in the engine's trace"),
         ("--engine-rounds", int, "with R > 0: every engine policy at every --engine-loads, R rounds on fresh servers, "

@@ -111,7 +111,7 @@ def best_fixed_ratio(capacities: dict[str, float]) -> float | None:
 
 def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]:
     """Every simulator policy on every workload and TPOT target, and every engine policy on the
-    engine workload at the engine's TPOT targets, ``rounds`` rounds (a new trace seed each)."""
+    engine workloads at the engine's TPOT targets, ``rounds`` rounds (a new trace seed each)."""
     import statistics
 
     from preft.eval.common import capacity as throughput_capacity
@@ -126,7 +126,7 @@ def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]
         scale = targets(cost_model, kind, rate0, settings)
         for tpot_scale in settings["tpot_scales"]:
             tpot = tpot_scale * scale["decode_step_s"]
-            engine_here = kind == settings["engine_workload"] and tpot_scale in settings["engine_tpot_scales"]
+            engine_here = kind in settings["engine_workloads"] and tpot_scale in settings["engine_tpot_scales"]
             for round_index in range(rounds):
                 seed = 100 + round_index
                 policies = settings["policies"] + [p for p in settings["engine_policies"] if p not in settings["policies"]]

@@ -68,3 +68,14 @@ def test_goodput_capacity_in_the_simulator(tmp_path):
     assert "| mixed |" in markdown and "SLOWeave / best fixed" in markdown
     assert json.loads((tmp_path / "goodput" / "goodput_capacity.json").read_text())["command"].split().count("--capacity") == 1
     assert (tmp_path / "goodput" / "goodput_capacity.png").stat().st_size > 1000
+
+
+def test_goodput_engine_workloads_are_checked(tmp_path):
+    from preft.eval import goodput
+
+    with pytest.raises(ValueError, match="engine-workload takes one workload"):
+        goodput.main(model="default", workloads="mixed,long", engine_workload="mixed,long", out=str(tmp_path))
+    with pytest.raises(ValueError, match="long is not in --workloads"):
+        goodput.main(model="default", workloads="mixed", engine_workload="mixed,long", capacity=True, out=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown workload 'lon'"):
+        goodput.main(model="default", workloads="mixed", engine_workload="lon", capacity=True, out=str(tmp_path))

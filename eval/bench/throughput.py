@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -65,8 +66,12 @@ def make_bundles(base_model: str, count: int, make_config, root: Path, prefix: s
     for index in tqdm(range(count), desc=f"export {prefix} bundles"):
         torch.manual_seed(index)
         model = get_peft_model(base, make_config())
-        model.save_pretrained(root / f"{prefix}_adapter{index}")
-        export_adapter(root / f"{prefix}_adapter{index}", base_model, root / f"{prefix}_bundle{index}")
+        peft_dir = root / f"{prefix}_adapter{index}"
+        model.save_pretrained(peft_dir)
+        export_adapter(peft_dir, base_model, root / f"{prefix}_bundle{index}")
+        # The PEFT folder is only the export's input: kept, 1,024 real-model adapters would take
+        # the disk twice over (SmolLM2 r=16: 19 MB each).
+        shutil.rmtree(peft_dir)
         paths.append(str(root / f"{prefix}_bundle{index}"))
         base = model.unload()
     return paths
