@@ -147,8 +147,11 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
         args += ["--max-host-adapters", str(max(slots, settings["host_adapters"] or len(bundles)))]
     step_trace = logs / f"slots-{label}.trace"
     step_trace.unlink(missing_ok=True)
+    # preft serve copies and checks every bundle into its store before vLLM starts: 1,024 SmolLM2
+    # r=16 bundles (19 MB each) took longer than the 240 s a server without adapters is given
     proc, url, ready_s = start_server([*args, "--", "--max-num-seqs", str(settings["max_num_seqs"])],
-                                      logs / f"server-{label}.log", env={"PREFT_TRACE_SCHEDULER": str(step_trace)})
+                                      logs / f"server-{label}.log", timeout_s=240 + 0.5 * len(bundles),
+                                      env={"PREFT_TRACE_SCHEDULER": str(step_trace)})
     from preft.real_models import resolve, served_name as short_name
 
     tokenizer = resolve(settings["model"])

@@ -33,8 +33,26 @@ def start_server(args: list[str], log: Path, timeout_s: float = 240, env: dict |
             if proc.poll() is not None:
                 raise RuntimeError("preft serve died:\n" + log.read_text()[-4000:])
             time.sleep(0.5)
+    kill_tree(proc)
+    raise RuntimeError(f"preft serve not ready in {timeout_s:.0f} s:\n" + log.read_text()[-4000:])
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and every process under it: vLLM's engine core and workers outlive a
+    killed API server (they hold the cores and the KV memory until killed)."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
     proc.kill()
-    raise RuntimeError(f"preft serve not ready in {timeout_s} s:\n" + log.read_text()[-4000:])
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -42,5 +60,4 @@ def stop_server(proc: subprocess.Popen) -> None:
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        kill_tree(proc)
