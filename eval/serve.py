@@ -130,7 +130,7 @@ def serve_and_bench(variant: str, kind: str | None, bundles: list[str], settings
     slots = settings["slots"] or max(1, len(bundles))  # --slots S: fewer adapter slots than adapters
     args = ["--model", settings["model"], "--max-model-len", str(settings["input_len"] + settings["output_len"] + 8),
             "--max-adapters", str(slots), "--max-rank", str(settings["rank"]),
-            "--kv-cache-gib", str(settings["kv_cache_gib"])]
+            "--kv-cache-gib", str(settings["kv_cache_gib"]), "--dtype", settings["dtype"]]
     for name, bundle in zip(names, bundles):
         args += ["--adapter", f"{name}={bundle}"]
     if variant == "all-token":
@@ -271,7 +271,8 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
          variants: str = "preft,all-token,base", request_rate: str = "inf", num_prompts: int = 128,
          input_len: int = 32, output_len: int = 64, max_concurrency: int = 0, slo: str = "ttft:2000,tpot:100",
          rounds: int = 3, seed: int = 0, slots: int = 0, host_adapters: int = 0,
-         lora_assignment: str = "round-robin", schedulers: str = "default", out: str = "runs/eval") -> dict[str, Any]:
+         lora_assignment: str = "round-robin", schedulers: str = "default", dtype: str = "auto",
+         out: str = "runs/eval") -> dict[str, Any]:
     from preft.eval.common import parse_list
     from preft.recipes.common import resolve_model
 
@@ -287,6 +288,8 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
             or slots < 0 or host_adapters < 0:
         raise ValueError("--adapters, --rank, --num-prompts, --input-len, --output-len, --rounds and --request-rate must be "
                          "> 0 (--max-concurrency, --slots and --host-adapters >= 0)")
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
     if lora_assignment not in ("round-robin", "random"):
         raise ValueError(f"--lora-assignment {lora_assignment!r}: choose round-robin or random")
     scheduler_list = parse_list(schedulers, str, "schedulers")
@@ -301,7 +304,7 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
                 "num_prompts": num_prompts, "counts": counts, "rates": rates, "max_concurrency": max_concurrency,
                 "seed": seed, "rounds": rounds, "slots": slots, "max_num_seqs": max(8, min(num_prompts, 256)),
                 "host_adapters": host_adapters, "lora_assignment": lora_assignment,
-                "kv_cache_gib": 1, "timeout_s": 1800}
+                "kv_cache_gib": 1, "timeout_s": 1800, "dtype": dtype}
     model_path = resolve_model(model)
     serve_dir = Path(out) / "serve"
     serve_dir.mkdir(parents=True, exist_ok=True)
@@ -384,5 +387,8 @@ def add_arguments(parser) -> None:
         ("--slo", str, "goodput SLOs, NAME:MS comma-separated (ttft, tpot, e2el)"),
         ("--rounds", int, "rounds: each run once a round, order rotated; medians over rounds"),
         ("--seed", int, "the random data set's seed"),
+        ("--dtype", str, "the servers' dtype (preft serve --dtype): auto is vLLM's, bfloat16 on a CPU; float32 on "
+                         "a CPU without native bfloat16 (no AVX512-BF16 or AMX), where bfloat16 matmuls run "
+                         "tens of times slower"),
         ("--out", str, "results directory"),
     ])

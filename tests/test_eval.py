@@ -97,6 +97,7 @@ def test_conversational_user_data_becomes_prompt_completion(tmp_path):
     (["loss", "--methods", "prefix_tuning"], "unknown method(s) ['prefix_tuning']"),
     (["serve", "--slo", "ttft=5"], "--slo 'ttft=5'"),
     (["serve", "--variants", "fast"], "--variants: unknown ['fast']"),
+    (["serve", "--dtype", "fp8"], "--dtype 'fp8': choose auto, float32, bfloat16 or float16"),
     (["rl", "--methods", "dpo"], "unknown method(s) ['dpo']"),
     (["report", "--out", "/nonexistent/eval"], "no eval results found"),
     (["loss", "--tasks", "poems"], "--tasks: unknown task(s) ['poems']"),
