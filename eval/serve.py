@@ -387,8 +387,7 @@ def add_arguments(parser) -> None:
         ("--slo", str, "goodput SLOs, NAME:MS comma-separated (ttft, tpot, e2el)"),
         ("--rounds", int, "rounds: each run once a round, order rotated; medians over rounds"),
         ("--seed", int, "the random data set's seed"),
-        ("--dtype", str, "the servers' dtype (preft serve --dtype): auto is vLLM's, bfloat16 on a CPU; float32 on "
-                         "a CPU without native bfloat16 (no AVX512-BF16 or AMX), where bfloat16 matmuls run "
-                         "tens of times slower"),
+        ("--dtype", str, "the servers' dtype (preft serve --dtype; auto: bfloat16 on a CPU with native bfloat16, "
+                         "else float32)"),
         ("--out", str, "results directory"),
     ])

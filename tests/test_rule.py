@@ -147,6 +147,22 @@ def test_serve_all_token_reaches_every_process_and_the_scheduler_is_preft(tmp_pa
     assert "PREFT_ALL_TOKEN" not in plain
 
 
+@pytest.mark.parametrize("native_bf16, requested, served", [
+    (True, "auto", "auto"), (False, "auto", "float32"), (False, "bfloat16", "bfloat16"), (True, "float32", "float32")])
+def test_serve_dtype_auto_is_float32_on_a_cpu_without_native_bf16(monkeypatch, native_bf16, requested, served):
+    import torch
+
+    from preft.cli import build_parser
+    from preft.serving import server
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("preft.precision.cpu_has_native_bf16", lambda: native_bf16)
+    args = build_parser().parse_args(["serve", "--dtype", requested])
+    args.lora_adapters = []
+    argv = server.vllm_arguments(args, Path("base"))
+    assert argv[argv.index("--dtype") + 1] == served
+
+
 def test_the_rule_and_the_manifest_name_live_in_one_module_each():
     """``adapter_start <= p < P`` is written once (preft/rule.py); the manifest's file name once
     (preft/bundle.py). Every other module calls them."""
