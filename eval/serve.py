@@ -338,7 +338,8 @@ def main(model: str = "default", adapters: str = "8", rank: int = 16, kinds: str
                                                             if max_concurrency else "")
                + (f" --slots {slots}" if slots else "") + (f" --host-adapters {host_adapters}" if host_adapters else "")
                + (f" --lora-assignment {lora_assignment}" if lora_assignment != "round-robin" else "")
-               + (f" --schedulers {schedulers}" if scheduler_list != ["default"] else "") + f" --model {model}")
+               + (f" --schedulers {schedulers}" if scheduler_list != ["default"] else "")
+               + (f" --dtype {dtype}" if dtype != "auto" else "") + f" --model {model}")
     import platform
 
     import vllm
