@@ -113,7 +113,7 @@ def engine_runs(cost_model, cost_model_path: Path, model_dir: str, settings: dic
     from preft.serving.scheduling import workloads
     from preft.serving.scheduling.metrics import summarize
 
-    kind = settings["engine_workload"]
+    (kind,) = settings["engine_workloads"]  # one without --capacity (checked in main)
     rate0 = capacity(cost_model, kind, settings)
     scale = targets(cost_model, kind, rate0, settings)
     tpot = settings["tpot_scales"][0] * scale["decode_step_s"]
@@ -161,7 +161,7 @@ def run_engine_rounds(cost_model, cost_model_path: Path, model_dir: str, setting
     from preft.serving.scheduling import workloads
     from preft.serving.scheduling.metrics import summarize
 
-    kind, policies = settings["engine_workload"], settings["engine_policies"]
+    (kind,), policies = settings["engine_workloads"], settings["engine_policies"]
     rate0 = capacity(cost_model, kind, settings)
     scale = targets(cost_model, kind, rate0, settings)
     tpot = settings["tpot_scales"][0] * scale["decode_step_s"]
@@ -444,7 +444,7 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
     settings = {"workloads": _parse(workloads, str, "workloads"), "policies": _parse(policies, str, "policies"),
                 "tpot_scales": _parse(tpot_scales, float, "tpot-scales"), "loads": _parse(loads, float, "loads"),
                 "engine_policies": _parse(engine_policies, str, "engine-policies") if engine_policies else [],
-                "requests": requests, "engine_requests": engine_requests, "engine_workload": engine_workload,
+                "requests": requests, "engine_requests": engine_requests,
                 "engine_load": engine_load, "max_num_seqs": max_num_seqs, "probe_requests": min(requests, 1000),
                 "engine_rounds": engine_rounds, "engine_loads": _parse(engine_loads, float, "engine-loads"),
                 "engine_seeded": engine_seeded, "capacity_probes": capacity_probes,

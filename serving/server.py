@@ -75,11 +75,12 @@ def check_vllm_args(vllm_args: list[str]) -> None:
 
 
 def served_dtype(requested: str) -> str:
-    """vLLM's ``--dtype`` for preft serve's: ``auto`` on a CPU without native bfloat16 (no
-    AVX512-BF16 or AMX-BF16) is float32, as training's ``precision: auto`` is there
-    (:mod:`preft.precision`); vLLM's own ``auto`` is bfloat16 on every CPU, and on an AMD EPYC with
-    AVX2 a bfloat16 matmul of SmolLM2's shapes (256x576 by 576x1536) took 372 ms against
-    float32's 10.6 ms. Anything else, and ``auto`` on a GPU or a CPU with bfloat16, as given."""
+    """The engine's ``--dtype`` for preft serve's (vLLM and SGLang alike): ``auto`` on a CPU
+    without native bfloat16 (no AVX512-BF16 or AMX-BF16) is float32, as training's ``precision:
+    auto`` is there (:mod:`preft.precision`). vLLM's own ``auto`` is bfloat16 on every CPU
+    (SGLang's follows the model's config), and bfloat16 matmuls on such a CPU run tens of times
+    slower than float32's (docs/RESULTS.md, "1,024 adapters on 8 slots on a real model").
+    Anything else, and ``auto`` on a GPU or a CPU with bfloat16, as given."""
     import torch
 
     from preft.precision import cpu_has_native_bf16

@@ -149,17 +149,23 @@ def test_serve_all_token_reaches_every_process_and_the_scheduler_is_preft(tmp_pa
 
 @pytest.mark.parametrize("native_bf16, requested, served", [
     (True, "auto", "auto"), (False, "auto", "float32"), (False, "bfloat16", "bfloat16"), (True, "float32", "float32")])
-def test_serve_dtype_auto_is_float32_on_a_cpu_without_native_bf16(monkeypatch, native_bf16, requested, served):
+def test_serve_dtype_auto_is_float32_on_a_cpu_without_native_bf16(tmp_path, monkeypatch, native_bf16, requested,
+                                                                  served):
     import torch
 
     from preft.cli import build_parser
     from preft.serving import server
+    from preft.serving.sglang.server import sglang_arguments
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("preft.precision.cpu_has_native_bf16", lambda: native_bf16)
     args = build_parser().parse_args(["serve", "--dtype", requested])
     args.lora_adapters = []
     argv = server.vllm_arguments(args, Path("base"))
+    assert argv[argv.index("--dtype") + 1] == served
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8}')
+    args.kv_cache_gib = 0.01
+    argv = sglang_arguments(args, tmp_path, on_cpu=True)
     assert argv[argv.index("--dtype") + 1] == served
 
 

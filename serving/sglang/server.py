@@ -107,8 +107,11 @@ def lora_bundles(args, base_dir: Path) -> dict[str, tuple[str, int]]:
 
 def sglang_arguments(args, base_dir: Path, on_cpu: bool, bundles: dict | None = None,
                      spec: SchedulerSpec | None = None) -> list[str]:
-    argv = ["--model-path", str(base_dir), "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
-            "--max-total-tokens", str(kv_tokens(base_dir, args.kv_cache_gib, args.dtype)),
+    from preft.serving.server import served_dtype
+
+    dtype = served_dtype(args.dtype)
+    argv = ["--model-path", str(base_dir), "--host", args.host, "--port", str(args.port), "--dtype", dtype,
+            "--max-total-tokens", str(kv_tokens(base_dir, args.kv_cache_gib, dtype)),
             "--disable-overlap-schedule"]
     if on_cpu:
         argv += ["--device", "cpu", "--attention-backend", "torch_native"]
