@@ -17,13 +17,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args: list[str], log: Path, timeout_s: float = 240, env: dict | None = None
-                 ) -> tuple[subprocess.Popen, str, float]:
-    """``preft serve ARGS --port P`` until ``/health`` answers: ``(process, url, seconds to ready)``."""
+SERVE_COMMAND = [sys.executable, "-m", "preft.cli", "serve"]
+PORT_TAKEN = ("Address already in use", "cannot listen on")
+
+
+def start_server(args: list[str], log: Path, timeout_s: float = 240, env: dict | None = None,
+                 attempts: int = 3) -> tuple[subprocess.Popen, str, float]:
+    """``preft serve ARGS --port P`` until ``/health`` answers: ``(process, url, seconds to ready)``.
+
+    A free port is only free when probed: another process (a parallel test's engine picks its own
+    ports) can take it before the server binds it, so a server that dies on a taken port is
+    started again on a fresh one, up to ``attempts`` times."""
+    for attempt in range(attempts):
+        try:
+            return _start_once(args, log, timeout_s, env)
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise RuntimeError("preft serve died:\n" + log.read_text()[-4000:]) from None
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def _start_once(args: list[str], log: Path, timeout_s: float, env: dict | None
+                ) -> tuple[subprocess.Popen, str, float]:
     port = free_port()
-    handle = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "preft.cli", "serve", "--port", str(port), *args],
-                            stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    with open(log, "w") as handle:
+        proc = subprocess.Popen([*SERVE_COMMAND, "--port", str(port), *args],
+                                stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     started, url = time.time(), f"http://127.0.0.1:{port}"
     while time.time() - started < timeout_s:
         try:
@@ -31,7 +54,10 @@ def start_server(args: list[str], log: Path, timeout_s: float = 240, env: dict |
             return proc, url, time.time() - started
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError("preft serve died:\n" + log.read_text()[-4000:])
+                text = log.read_text()
+                if any(marker in text for marker in PORT_TAKEN):
+                    raise PortTaken(port)
+                raise RuntimeError("preft serve died:\n" + text[-4000:])
             time.sleep(0.5)
     kill_tree(proc)
     raise RuntimeError(f"preft serve not ready in {timeout_s:.0f} s:\n" + log.read_text()[-4000:])
