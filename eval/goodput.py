@@ -584,6 +584,9 @@ def capacity_run(model_cost, cost_model: str, model_dir: str, settings: dict, va
             markdown.append(f"| {entry['workload']} | {entry['tpot_scale']:g} | {cells} | "
                             f"{'yes' if entry['same_ranking'] else 'no'} |")
         markdown.append("")
+        markdown += ["Engine searches, per round (a bracket's ends: the highest rate that met both targets and the "
+                     "lowest that missed; 'resolved' where SLOWeave's and the best fixed chunk's brackets do not "
+                     "overlap, so the probes rank them):\n", slo_capacity.brackets_table(found), ""]
     settings["bundles"] = sorted(settings["bundles"])
     result = {"command": command, "model": values["model"], "cost_model": cost_model, "machine": common.machine(),
               "settings": settings, "capacity": found, "fidelity": fidelity_rows,

@@ -165,6 +165,42 @@ def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]
     return {"rounds": rounds, "rows": rows, "summary": summary}
 
 
+def resolved(first: list, second: list) -> bool:
+    """Whether two searches' brackets ``[met, missed)`` separate the policies: one met a rate above
+    the rate the other missed. A search that steps from each policy's own start by the same
+    factor can hand two policies the ratio of their starts whatever the engine did; then only
+    disjoint brackets rank them."""
+    (low_a, high_a), (low_b, high_b) = first, second
+    return (high_b is not None and low_a >= high_b) or (high_a is not None and low_b >= high_a)
+
+
+def sloweave_resolved(rows: list[dict[str, Any]]) -> bool | None:
+    """In one round's engine rows: do the searches separate SLOWeave from the best fixed chunk?"""
+    searches = {r["policy"]: r["served_search"] for r in rows if r.get("served_search")}
+    fixed = [p for p in searches if p.startswith("fixed:")]
+    if "sloweave" not in searches or not fixed:
+        return None
+    best = max(fixed, key=lambda p: searches[p]["capacity"])
+    return resolved(searches["sloweave"]["bracket"], searches[best]["bracket"])
+
+
+def brackets_table(result: dict[str, Any]) -> str:
+    """Every engine search's bracket per round: the highest rate that met and the lowest that missed."""
+    served_rows = [r for r in result["rows"] if r.get("served_search")]
+    lines = ["| workload | TPOT target (ms) | round | policy: met [missed] (req/s) | SLOWeave vs best fixed resolved |",
+             "|---|---|---|---|---|"]
+    for key in dict.fromkeys((r["workload"], r["tpot_scale"], r["round"]) for r in served_rows):
+        here = [r for r in served_rows if (r["workload"], r["tpot_scale"], r["round"]) == key]
+        cells = "; ".join(
+            f"{r['policy']} {r['served_search']['bracket'][0]:.2f} "
+            f"[{'-' if r['served_search']['bracket'][1] is None else format(r['served_search']['bracket'][1], '.2f')}]"
+            for r in here)
+        verdict = sloweave_resolved(here)
+        lines.append(f"| {key[0]} | {here[0]['tpot_ms']:.1f} | {key[2] + 1} | {cells} | "
+                     f"{'-' if verdict is None else 'yes' if verdict else 'no'} |")
+    return "\n".join(lines)
+
+
 def table(result: dict[str, Any]) -> str:
     """The capacity table: simulator and engine side by side, SLOWeave over the best fixed chunk."""
     lines = ["| workload | TPOT target (ms) | where | " + "policy: SLO capacity, median [range] (req/s) | "
@@ -230,7 +266,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("SLO capacity (req/s)", fontsize=8)
         ax.set_ylim(bottom=0)
     where = "bars: engine; -: simulator" if served else "simulator, no engine runs"
-    fig.suptitle(f"highest rate with >= {ATTAINMENT:.0%} of requests within both targets "
+    fig.suptitle(f"highest rate with >= {ATTAINMENT:.0%} of requests within both targets\n"
                  f"({where}; median and range over rounds)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -79,3 +80,46 @@ def test_goodput_engine_workloads_are_checked(tmp_path):
         goodput.main(model="default", workloads="mixed", engine_workload="mixed,long", capacity=True, out=str(tmp_path))
     with pytest.raises(ValueError, match="unknown workload 'lon'"):
         goodput.main(model="default", workloads="mixed", engine_workload="lon", capacity=True, out=str(tmp_path))
+
+
+def test_only_disjoint_engine_brackets_rank_two_policies():
+    # both searches stepped by the same factor from their own starts: met 1.5x start, missed 2.25x
+    assert not slo_capacity.resolved([9.06, 13.60], [10.24, 15.36])
+    assert slo_capacity.resolved([1.81, 2.22], [1.23, 1.51])
+    assert slo_capacity.resolved([1.0, 1.2], [1.5, None])
+    assert not slo_capacity.resolved([1.0, None], [1.5, None])
+    rows = [{"workload": "long", "tpot_scale": 5, "tpot_ms": 139.0, "round": 0, "policy": policy,
+             "served_search": {"capacity": bracket[0], "bracket": bracket}}
+            for policy, bracket in [("fixed:64", [3.24, 3.97]), ("fixed:256", [2.35, 2.88]),
+                                    ("sloweave", [3.81, 4.66])]]
+    assert slo_capacity.sloweave_resolved(rows) is False  # 3.81 < 3.97: fixed:64 may reach it
+    rows[2]["served_search"] = {"capacity": 4.0, "bracket": [4.0, 4.66]}
+    assert slo_capacity.sloweave_resolved(rows) is True
+    table = slo_capacity.brackets_table({"rows": rows})
+    assert "| long | 139.0 | 1 | fixed:64 3.24 [3.97]; fixed:256 2.35 [2.88]; sloweave 4.00 [4.66] | yes |" in table
+
+
+def test_goodput_capacity_reports_each_engine_search_bracket(tmp_path, monkeypatch):
+    from preft.eval import goodput
+    from preft.serving.scheduling.cost_model import StepCostModel
+
+    engine_capacity = {"fixed:16": 3.0, "sloweave": 5.0}  # a stand-in engine: meets below these rates
+
+    def served(model_dir, policy_args, kind, settings, tpot_s, ttft_s, start, seed, probes, run_dir, label):
+        policy = policy_args[1]
+        return slo_capacity.search(lambda rate: 1.0 if rate <= engine_capacity[policy] else 0.0, start, probes)
+
+    monkeypatch.setattr(slo_capacity, "served", served)
+    cost = StepCostModel.synthetic().save(tmp_path / "cost.json")
+    result = goodput.main(model="default", cost_model=str(cost), workloads="mixed", policies="fixed:16,sloweave",
+                          tpot_scales="4", capacity=True, capacity_requests=120, engine_policies="fixed:16,sloweave",
+                          engine_workload="mixed", engine_rounds=1, capacity_probes=14, out=str(tmp_path))
+    rows = {r["policy"]: r for r in result["capacity"]["rows"]}
+    for policy, capacity in engine_capacity.items():
+        low, high = rows[policy]["served_search"]["bracket"]
+        assert low <= capacity < high and rows[policy]["served"] == low
+    markdown = (tmp_path / "goodput" / "goodput_capacity.md").read_text()
+    searches = markdown.split("Engine searches, per round")[1]
+    number = r"\d+\.\d\d"
+    assert re.search(rf"\| mixed \| [\d.]+ \| 1 \| fixed:16 {number} \[{number}\]; sloweave {number} \[{number}\] "
+                     rf"\| yes \|", searches), searches
