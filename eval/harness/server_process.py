@@ -28,17 +28,16 @@ def start_server(args: list[str], log: Path, timeout_s: float = 240, env: dict |
     A free port is only free when probed: another process (a parallel test's engine picks its own
     ports) can take it before the server binds it, so a server that dies on a taken port is
     started again on a fresh one, up to ``attempts`` times."""
-    for attempt in range(attempts):
+    for _ in range(attempts - 1):
         try:
             return _start_once(args, log, timeout_s, env)
         except PortTaken:
-            if attempt == attempts - 1:
-                raise RuntimeError("preft serve died:\n" + log.read_text()[-4000:]) from None
-    raise AssertionError("unreachable")
+            pass
+    return _start_once(args, log, timeout_s, env)
 
 
 class PortTaken(RuntimeError):
-    pass
+    """The server died because its port was taken before it could bind it."""
 
 
 def _start_once(args: list[str], log: Path, timeout_s: float, env: dict | None
@@ -55,9 +54,8 @@ def _start_once(args: list[str], log: Path, timeout_s: float, env: dict | None
         except OSError:
             if proc.poll() is not None:
                 text = log.read_text()
-                if any(marker in text for marker in PORT_TAKEN):
-                    raise PortTaken(port)
-                raise RuntimeError("preft serve died:\n" + text[-4000:])
+                died = PortTaken if any(marker in text for marker in PORT_TAKEN) else RuntimeError
+                raise died("preft serve died:\n" + text[-4000:])
             time.sleep(0.5)
     kill_tree(proc)
     raise RuntimeError(f"preft serve not ready in {timeout_s:.0f} s:\n" + log.read_text()[-4000:])
