@@ -98,7 +98,8 @@ def _per_row_lora_reference(y, x, indices, lora_a, lora_b, scale, slices):
     [1] * 9,                  # one slot, every row: plain matmuls
     [-1, 2, 2, -1, 2, -1],    # one slot, some rows
     [0, 1, 2, 3] * 8,         # decode-like: one row per request, tiles of 1
-], ids=["many-slots", "one-slot-all-rows", "one-slot-some-rows", "one-row-groups"])
+    [-1] * 7 + [0, 0, 1, 1, 2, -1, 2] + [-1] * 5,  # prompt chunks with adapters among decode rows
+], ids=["many-slots", "one-slot-all-rows", "one-slot-some-rows", "one-row-groups", "chunks-among-decodes"])
 def test_planned_lora_linear_matches_a_per_row_reference(indices):
     torch.manual_seed(0)
     indices = torch.tensor(indices)
@@ -136,7 +137,14 @@ def test_planned_weights_follow_vllm_writing_an_adapter_into_a_slot():
     for j in range(len(slices)):  # "activate" new adapters in slots 1 and 2, the way vLLM's set_lora writes them
         lora_a[j][1, 0].copy_(torch.randn(rank, hidden))
         lora_b[j][2, 0].copy_(torch.randn(slices[j], rank))
-    for indices in ([1] * rows, [2, 2, 2, 1, 1, 1, 0, 0]):
+    for indices in ([1] * rows, [2, 2, 2, 1, 1, 1, 0, 0]):  # one stale slot of three, then most of them
+        got, expected = step(indices)
+        assert torch.allclose(got, expected, atol=1e-5)
+    for j in range(len(slices)):  # every slot rewritten: the whole stack is copied at once
+        for slot in range(slots):
+            lora_a[j][slot, 0].copy_(torch.randn(rank, hidden))
+            lora_b[j][slot, 0].copy_(torch.randn(slices[j], rank))
+    for indices in ([0, 1, 2, 0, 1, 2, -1, -1], [2] * rows):
         got, expected = step(indices)
         assert torch.allclose(got, expected, atol=1e-5)
 
@@ -159,6 +167,24 @@ def test_tile_plan_groups_rows_by_slot_with_little_padding():
         else:
             assert plan.untile[row] >= trailing and not real[plan.untile[row]]
     assert build_tile_plan(torch.full((6,), -1)) is None  # a decode-only LoRA-P step: no work
+
+
+def test_tile_plan_reads_back_only_the_rows_from_the_first_adapter_row_to_the_last():
+    """A prefill step of many users: decode rows, then the prompt chunks with adapters, then
+    more rows. The values added back cover the chunks' span alone, zeros for its rows without
+    an adapter, and the rows outside it are not written."""
+    indices = torch.tensor([-1] * 6 + [1, 1, -1, 0, 0] + [-1] * 4)
+    plan = build_tile_plan(indices)
+    assert plan.span == (6, 11)
+    computed = torch.arange(plan.tile_slots.numel() * plan.tile_rows, dtype=torch.float32)[:, None] + 1
+    values = plan.back_to_rows(computed.clone())
+    assert values.shape == (5, 1) and values[2].item() == 0.0  # row 8 has no adapter: an exact zero
+    assert [values[i].item() for i in (0, 1, 3, 4)] == [computed[plan.untile[r]].item() for r in (6, 7, 9, 10)]
+    target = torch.full((indices.numel(), 1), float("nan"))
+    target[6:11] = 0.0
+    plan.add_into_rows(target, values)
+    assert target[:6].isnan().all() and target[11:].isnan().all()  # never read, never written
+    assert torch.equal(target[6:11], values)
 
 
 @pytest.mark.parametrize("group_rows, tile_rows", [
