@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -212,3 +215,40 @@ def test_workspace_buffers_follow_the_tensor_they_serve():
     assert elsewhere.device.type == "meta" and elsewhere.dtype == torch.bfloat16
     smaller = space.get("tiles", 2, 3, like=torch.empty(1, dtype=torch.bfloat16, device="meta"))
     assert smaller.shape == (2, 3) and smaller.device.type == "meta"  # reused, still where it was asked for
+
+
+def _file_backed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of a file (``/proc/self/maps``)."""
+    address = tensor.untyped_storage().data_ptr()
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(part, 16) for part in fields[0].split("-"))
+        if start <= address < end:
+            return len(fields) >= 6 and fields[5].startswith("/")
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_a_loaded_lora_is_held_in_process_memory_not_in_a_file_mapping(tmp_path):
+    """vLLM's CPU LoRA load returns views of the safetensors file's memory map; the worker's host
+    cache must own its copies (the kernel drops mapped file pages under memory pressure)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    from preft.serving.worker import resident_lora
+
+    torch.manual_seed(0)
+    saved = {"a": torch.randn(4, 64), "b": torch.randn(64, 4), "a2": torch.randn(4, 64)}
+    save_file(saved, tmp_path / "adapter_model.safetensors")
+    with safe_open(tmp_path / "adapter_model.safetensors", framework="pt") as f:
+        loaded = {name: f.get_tensor(name) for name in saved}
+    assert _file_backed(loaded["a"])  # what vLLM's loader hands over
+    single = LoRALayerWeights("q_proj", 4, 8, loaded["a"], loaded["b"])
+    packed = LoRALayerWeights("qkv_proj", 4, 8, [loaded["a"], None, loaded["a2"]], [loaded["b"], None, None])
+    lora = SimpleNamespace(loras={"q_proj": single, "qkv_proj": packed})
+    assert resident_lora(lora) is lora
+    tensors = [single.lora_a, single.lora_b, packed.lora_a[0], packed.lora_a[2], packed.lora_b[0]]
+    assert not any(_file_backed(t) for t in tensors)
+    assert packed.lora_a[1] is None and packed.lora_b[1] is None
+    assert torch.equal(single.lora_a, saved["a"]) and torch.equal(packed.lora_a[2], saved["a2"])
