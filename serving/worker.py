@@ -55,6 +55,7 @@
     (measured: 1,024 SmolLM2 r=16 adapters, 19.5 GB, on a 23 GB machine: 30-150 MB/s read
     from disk through PreFT's whole timed run, and its prefill steps 0.8 s slower each than
     the base model's steps predict). Owned copies stay in memory; size the host cache to fit.
+    Where vLLM pins a LoRA's tensors (a CUDA machine) they are copies already and are kept.
     Worth an upstream report: "the CPU LoRA host cache holds views of mmapped safetensors files".
 """
 
@@ -247,16 +248,22 @@ def counted_add_adapter(original, manager, lora_request, *args, **kwargs):
     return result
 
 
+def _owned(tensor):
+    """``tensor`` as memory of this process: a pinned tensor is one already (vLLM copies a LoRA
+    into pinned memory where it can, for fast copies to a GPU, and keeps it so); any other is
+    copied, since it may be a view of a file mapping."""
+    if not isinstance(tensor, torch.Tensor) or tensor.is_pinned():
+        return tensor
+    return tensor.clone()
+
+
 def resident_lora(lora):
-    """``lora`` (a vLLM ``LoRAModel``) with every weight tensor replaced by a copy this process
-    owns, so that none is a view of a file mapping (the safetensors file it was read from)."""
+    """``lora`` (a vLLM ``LoRAModel``) with no weight tensor a view of a file mapping (the
+    safetensors file it was read from): each one that is not pinned replaced by a copy."""
     for weights in lora.loras.values():
         for name in ("lora_a", "lora_b"):
             value = getattr(weights, name, None)
-            if isinstance(value, torch.Tensor):
-                setattr(weights, name, value.clone())
-            elif isinstance(value, list):
-                setattr(weights, name, [t.clone() if isinstance(t, torch.Tensor) else t for t in value])
+            setattr(weights, name, [_owned(t) for t in value] if isinstance(value, list) else _owned(value))
     return lora
 
 

@@ -252,3 +252,17 @@ def test_a_loaded_lora_is_held_in_process_memory_not_in_a_file_mapping(tmp_path)
     assert not any(_file_backed(t) for t in tensors)
     assert packed.lora_a[1] is None and packed.lora_b[1] is None
     assert torch.equal(single.lora_a, saved["a"]) and torch.equal(packed.lora_a[2], saved["a2"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a CUDA machine")
+def test_a_lora_vllm_pinned_is_kept_as_it_is():
+    """On a GPU machine vLLM copies a LoRA into pinned memory (fast copies into GPU slots): that
+    copy is the process's own already, and replacing it by a pageable one would slow the slots."""
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    from preft.serving.worker import resident_lora
+
+    pinned_a, pinned_b = torch.randn(4, 64).pin_memory(), torch.randn(64, 4).pin_memory()
+    weights = LoRALayerWeights("q_proj", 4, 8, pinned_a, pinned_b)
+    resident_lora(SimpleNamespace(loras={"q_proj": weights}))
+    assert weights.lora_a is pinned_a and weights.lora_b is pinned_b
