@@ -6,10 +6,10 @@ into row order; these two kernels (punica's SGMV shrink/expand, fitted to the ti
 read the rows and the slot's weights where they lie and add into the output rows in place:
 
 - ``_shrink_kernel``, one program per (tile, block of the shrunk width):
-  ``shrunk[tile position] = scale * x[row] @ A_t[slot]`` for all of a layer's slices at
-  once (``A_t`` = the A's side by side, :class:`~preft.serving.lora_ops.PlannedLoraWeights`);
+  ``shrunk[tile position] = scale * x[row] @ A[slot]^T`` for all of a layer's slices at
+  once (``A`` = the A's side by side, :class:`~preft.serving.lora_ops.PlannedLoraWeights`);
 - ``_expand_kernel``, one program per (tile, block of a slice's outputs):
-  ``y[row, slice] += shrunk[tile position, slice's rank] @ B_t[slot]``. Every row with an
+  ``y[row, slice] += shrunk[tile position, slice's rank] @ B[slot]^T``. Every row with an
   adapter sits at exactly one tile position and column blocks do not overlap, so the
   read-add-write needs no atomics; padding positions write nothing.
 
@@ -59,7 +59,7 @@ def _shrink_kernel(x_ptr, gather_ptr, mask_ptr, slots_ptr, a_ptr, out_ptr,
                     mask=in_tile[:, None] & (offs_k[None, :] < size_in), other=0.0)
         a = tl.load(a_ptr + slot * stride_as + offs_k[:, None] * stride_ak + offs_n[None, :] * stride_an,
                     mask=(offs_k[:, None] < size_in) & (offs_n[None, :] < width), other=0.0)
-        acc += tl.dot(x.to(tl.float32), a, input_precision="ieee")
+        acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
     acc = acc * scale  # padding positions too: computed, never written into a row
     tl.store(out_ptr + position[:, None] * width + offs_n[None, :], acc,
              mask=in_tile[:, None] & (offs_n[None, :] < width))
@@ -77,7 +77,7 @@ def _expand_kernel(shrunk_ptr, gather_ptr, mask_ptr, slots_ptr, b_ptr, y_ptr,
                      mask=in_tile[:, None] & (offs_k[None, :] < rank), other=0.0)
     b = tl.load(b_ptr + slot * stride_bs + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                 mask=(offs_k[:, None] < rank) & (offs_n[None, :] < size), other=0.0)
-    expanded = tl.dot(shrunk, b, input_precision="ieee")
+    expanded = tl.dot(shrunk, b.to(tl.float32), input_precision="ieee")
     write = (in_tile & (real > 0))[:, None] & (offs_n[None, :] < size)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     old = tl.load(y_ptrs, mask=write, other=0.0)
@@ -104,24 +104,23 @@ def triton_planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLora
     """``y[:, slice j] += scale * x @ A_j,slot^T @ B_j,slot^T`` for every row with an adapter (in place)."""
     if plan is None:
         return
-    weights.refresh(plan.slots)
     y = y.view(-1, y.shape[-1])[: plan.num_rows]
     x = x.view(-1, x.shape[-1])[: plan.num_rows]
     gather, mask, tile_slots, tile_rows = _tiles_of(plan, x.device)
-    tiles, width, rank = tile_slots.numel(), weights.a_t.shape[-1], weights.rank
+    tiles, width, rank = tile_slots.numel(), weights.a.shape[1], weights.rank
     block_m = max(16, triton.next_power_of_2(tile_rows))
     shrunk = torch.empty(tiles * tile_rows, width, dtype=torch.float32, device=x.device)
-    a_t = weights.a_t
+    a = weights.a  # [slots, width, in]: the kernel reads it as A^T through the strides
     _shrink_kernel[(tiles, triton.cdiv(width, BLOCK_N))](
-        x, gather, mask, tile_slots, a_t, shrunk, x.shape[-1], width, tile_rows, scale,
-        x.stride(0), x.stride(1), a_t.stride(0), a_t.stride(1), a_t.stride(2),
+        x, gather, mask, tile_slots, a, shrunk, x.shape[-1], width, tile_rows, scale,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(2), a.stride(1),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K_IN)
     offset = 0
-    for j, b_t in enumerate(weights.b_t):
-        size = b_t.shape[2]
+    for j, b in enumerate(weights.b):  # [slots, out_j, rank], read as B^T
+        size = b.shape[1]
         target = y[:, offset: offset + size]
         _expand_kernel[(tiles, triton.cdiv(size, BLOCK_N))](
-            shrunk, gather, mask, tile_slots, b_t, target, rank, width, j * rank, size, tile_rows,
-            b_t.stride(0), b_t.stride(1), b_t.stride(2), target.stride(0), target.stride(1),
+            shrunk, gather, mask, tile_slots, b, target, rank, width, j * rank, size, tile_rows,
+            b.stride(0), b.stride(2), b.stride(1), target.stride(0), target.stride(1),
             BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=max(16, triton.next_power_of_2(rank)))
         offset += size

@@ -7,7 +7,8 @@ in`` floats. Prefill-only serving mixes adapter and no-adapter tokens in nearly 
 These ops work from a :class:`TilePlan` of the step instead (the layout of a segmented-GEMM
 kernel such as punica's SGMV, written with torch ops): the rows that have an adapter, sorted
 by slot, cut into tiles of ``tile_rows`` rows that each belong to one slot. Per LoRA layer:
-one gather of the rows, one gather of the weights *per tile* (not per token), one ``bmm``
+one gather of the rows, the weights *per tile* (not per token; as they lie when the tiles are
+one per slot of a run of slots, else gathered), one ``bmm``
 shrink shared by the layer's slices (q/k/v, gate/up), one ``bmm`` expand per slice and one
 gather of its result back into row order (the rows from the first with an adapter to the
 last: a prefill step's many decode rows are not touched), whatever the number of adapters in
@@ -17,8 +18,8 @@ NaN or inf cannot reach another request's rows. A step whose rows all use one sl
 matmuls over its adapter rows. The plan depends
 only on the step's per-token slots, so the worker builds it once per step into the step
 context (:mod:`preft.serving.step_context`) and every LoRA layer of the step reuses it
-(:func:`add_lora_linear`); each layer reads its weights from a :class:`PlannedLoraWeights`, a
-transposed copy kept in step with vLLM's stacked tensors.
+(:func:`add_lora_linear`); each layer reads vLLM's stacked tensors where they lie, through a
+:class:`PlannedLoraWeights`.
 """
 
 from __future__ import annotations
@@ -43,54 +44,44 @@ def _weights(stacked: torch.Tensor, plan: TilePlan, dtype: torch.dtype) -> torch
 
 
 class PlannedLoraWeights:
-    """One LoRA layer's stacked adapter weights, laid out the way the planned ops read them.
+    """One LoRA layer's stacked adapter weights as the planned ops read them: vLLM's own
+    tensors, never a copy.
 
     vLLM keeps ``lora_a_stacked[j]`` as ``[slots, 1, rank, in]`` and ``lora_b_stacked[j]`` as
-    ``[slots, 1, out_j, rank]`` per output slice. A matmul reads their transposes 20-30% faster
-    when those are contiguous, and the slices of a merged layer (q/k/v, gate/up) share one
-    shrink when their A's sit side by side. So this keeps ``a_t`` ``[slots, in, slices * rank]``
-    and ``b_t[j]`` ``[slots, rank, out_j]`` (float32, like vLLM's shrink buffers).
-
-    vLLM writes an adapter into a slot in place when it activates it, which bumps the stacked
-    tensors' version counters; the copy cannot tell which slot changed, so any bump marks every
-    slot stale and each step refreshes only the stale slots it uses (an adapter swap costs a
-    copy of that adapter, not of the whole stack) or, when those are at least half the slots,
-    every slot in one copy per slice.
+    ``[slots, 1, out_j, rank]`` per output slice, and writes an adapter into its slot in place
+    when it activates it. The slices of a merged layer (q/k/v, gate/up) share one shrink when
+    their A's sit side by side, so the first time a layer is seen its A tensors are re-seated
+    (``Tensor.set_``) as views of one ``a`` ``[slots, slices * rank, in]``: the same tensor
+    objects with the same values, and every later slot write of vLLM's lands in ``a``. B's are
+    read where they lie, ``b[j]`` ``[slots, out_j, rank]``. Nothing is copied per step (a
+    transposed copy kept in step cost more to refresh, when a prefill step brings 8 new
+    adapters, than it saved in the matmuls).
     """
 
     def __init__(self, lora_a_stacked, lora_b_stacked, output_slices):
         self.lora_a, self.lora_b = tuple(lora_a_stacked), tuple(lora_b_stacked)
-        slots, _, self.rank, size_in = self.lora_a[0].shape
-        device = self.lora_a[0].device
-        self.a_t = torch.zeros(slots, size_in, self.rank * len(self.lora_a), device=device)
-        self.b_t = [torch.zeros(slots, self.rank, size, device=device) for size in output_slices]
-        self.versions: tuple[int, ...] | None = None
-        self.fresh: set[int] = set()
+        self.rank = self.lora_a[0].shape[2]
+        self.a = _side_by_side(self.lora_a)
+        self.b = [lora_b.flatten(0, 1)[:, :size, :] for lora_b, size in zip(self.lora_b, output_slices)]
 
-    def refresh(self, slots: frozenset[int]) -> None:
-        """Bring the copies of ``slots`` up to date with vLLM's stacked tensors."""
-        versions = tuple(t._version for t in self.lora_a + self.lora_b)
-        if versions != self.versions:
-            self.versions, self.fresh = versions, set()
-        stale = slots - self.fresh
-        if not stale:
-            return
-        rank, num_slots = self.rank, self.a_t.shape[0]
-        if 2 * len(stale) >= num_slots:
-            # most slots stale (a prefill step of many new adapters): one strided copy per slice of
-            # every slot costs about half of gathering the stale ones (measured, 8 slots, SmolLM2)
-            for j, (lora_a, lora_b, b_t) in enumerate(zip(self.lora_a, self.lora_b, self.b_t)):
-                self.a_t[:, :, j * rank: (j + 1) * rank].copy_(lora_a.flatten(0, 1).transpose(1, 2))
-                b_t.copy_(lora_b.flatten(0, 1)[:, : b_t.shape[2], :].transpose(1, 2))
-            self.fresh = set(range(num_slots))
-            return
-        index = torch.tensor(sorted(stale), device=self.a_t.device)
-        for j, (lora_a, lora_b, b_t) in enumerate(zip(self.lora_a, self.lora_b, self.b_t)):
-            a = lora_a.flatten(0, 1).index_select(0, index).transpose(1, 2)
-            self.a_t[index, :, j * rank: (j + 1) * rank] = a.to(self.a_t.dtype)
-            b = lora_b.flatten(0, 1).index_select(0, index)[:, : b_t.shape[2], :].transpose(1, 2)
-            b_t[index] = b.to(b_t.dtype)
-        self.fresh |= stale
+
+def _side_by_side(lora_a: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The slices' A's ``[slots, 1, rank, in]`` as one ``[slots, slices * rank, in]``, re-seating
+    them as its views (their values kept) unless they already are."""
+    slots, _, rank, size_in = lora_a[0].shape
+    width = rank * len(lora_a)
+    first = lora_a[0]
+    if all(a.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           and a.storage_offset() == first.storage_offset() + j * rank * size_in
+           and a.stride() == (width * size_in, a.stride(1), size_in, 1) for j, a in enumerate(lora_a)):
+        return torch.as_strided(first, (slots, width, size_in), (width * size_in, size_in, 1))
+    joined = torch.empty(slots, width, size_in, dtype=first.dtype, device=first.device)
+    for j, a in enumerate(lora_a):
+        joined[:, j * rank: (j + 1) * rank].copy_(a[:, 0])
+    for j, a in enumerate(lora_a):
+        a.set_(joined.untyped_storage(), j * rank * size_in, (slots, 1, rank, size_in),
+               (width * size_in, rank * size_in, size_in, 1))
+    return joined
 
 
 class Workspace:
@@ -118,22 +109,22 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
                         workspace: Workspace | None = None) -> None:
     """``y[:, slice j] += scale * x @ A_j,slot^T @ B_j,slot^T`` for every row with an adapter.
 
-    One shrink for all slices (their A's side by side), then one expand per slice. Several
-    slots: the rows are tiled per :class:`TilePlan`, the weights gathered per tile and the
-    expanded rows added back into their rows; one slot: plain matmuls (into ``y`` in place when
-    every row has the adapter). Rows without an adapter are neither read nor written.
+    One shrink for all slices (their A's side by side), then one expand per slice, in float32
+    (like vLLM's shrink buffers). Several slots: the rows are tiled per :class:`TilePlan`, the
+    weights gathered per tile and the expanded rows added back into their rows; one slot: plain
+    matmuls (into ``y`` in place when every row has the adapter). Rows without an adapter are
+    neither read nor written.
     """
     if plan is None:
         return
-    weights.refresh(plan.slots)
     y = y.view(-1, y.shape[-1])[: plan.num_rows]
-    x = x.view(-1, x.shape[-1])[: plan.num_rows].to(weights.a_t.dtype)
+    x = x.view(-1, x.shape[-1])[: plan.num_rows].float()
     rank, offset = weights.rank, 0
     if plan.single_slot is not None:
-        shrunk = torch.mm(plan.rows_of(x), weights.a_t[plan.single_slot]).mul_(scale)
-        for j, b_t in enumerate(weights.b_t):
-            size = b_t.shape[2]
-            part, b = shrunk[:, j * rank: (j + 1) * rank].to(y.dtype), b_t[plan.single_slot].to(y.dtype)
+        shrunk = torch.mm(plan.rows_of(x), weights.a[plan.single_slot].float().t()).mul_(scale)
+        for j, b in enumerate(weights.b):
+            size = b.shape[1]
+            part, b = shrunk[:, j * rank: (j + 1) * rank].to(y.dtype), b[plan.single_slot].to(y.dtype).t()
             if plan.rows is None:  # every row: accumulate in place, one pass over the output
                 y[:, offset: offset + size].addmm_(part, b)
             else:
@@ -141,21 +132,21 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
             offset += size
         return
     space = workspace or Workspace()
-    num_tiles, tile_rows, size_in = plan.tile_slots.numel(), plan.tile_rows, x.shape[-1]
-    width, (first, end) = weights.a_t.shape[-1], plan.span
-    tiles = torch.index_select(x, 0, plan.gather, out=space.get("tiles", num_tiles * tile_rows, size_in, like=x))
-    a_t = torch.index_select(weights.a_t, 0, plan.tile_slots,
-                             out=space.get("a_t", num_tiles, size_in, width, like=weights.a_t))
-    shrunk = torch.bmm(tiles.view(num_tiles, tile_rows, size_in), a_t,
-                       out=space.get("shrunk", num_tiles, tile_rows, width, like=weights.a_t)).mul_(scale)
-    for j, b_t in enumerate(weights.b_t):
-        size = b_t.shape[2]
-        b_tiles = torch.index_select(b_t, 0, plan.tile_slots, out=space.get("b_t", num_tiles, rank, size, like=b_t))
-        expanded = torch.bmm(shrunk[..., j * rank: (j + 1) * rank], b_tiles,
-                             out=space.get("expanded", num_tiles, tile_rows, size, like=b_t))
+    num_tiles, tile_rows, size_in = plan.num_real_tiles, plan.tile_rows, x.shape[-1]
+    width, (first, end) = weights.a.shape[1], plan.span
+    tiles = torch.index_select(x, 0, plan.gather[: num_tiles * tile_rows],
+                               out=space.get("tiles", num_tiles * tile_rows, size_in, like=x))
+    a = plan.tile_weights(weights.a, out=space.get("a", num_tiles, width, size_in, like=weights.a)).float()
+    shrunk = torch.bmm(tiles.view(num_tiles, tile_rows, size_in), a.transpose(1, 2),
+                       out=space.get("shrunk", num_tiles, tile_rows, width, like=x)).mul_(scale)
+    for j, b in enumerate(weights.b):
+        size = b.shape[1]
+        b = plan.tile_weights(b, out=space.get("b", num_tiles, size, rank, like=b)).float()
+        expanded = space.get("expanded", num_tiles + 1, tile_rows, size, like=x)
+        torch.bmm(shrunk[..., j * rank: (j + 1) * rank], b.transpose(1, 2), out=expanded[:num_tiles])
         expanded[-1].zero_()  # the trailing tile, read by the rows without an adapter: exact zeros
         rows = torch.index_select(expanded.view(-1, size), 0, plan.untile[first:end],
-                                  out=space.get("rows", end - first, size, like=b_t))
+                                  out=space.get("rows", end - first, size, like=x))
         y[first:end, offset: offset + size].add_(rows.to(y.dtype))
         offset += size
 

@@ -102,7 +102,9 @@ def _per_row_lora_reference(y, x, indices, lora_a, lora_b, scale, slices):
     [-1, 2, 2, -1, 2, -1],    # one slot, some rows
     [0, 1, 2, 3] * 8,         # decode-like: one row per request, tiles of 1
     [-1] * 7 + [0, 0, 1, 1, 2, -1, 2] + [-1] * 5,  # prompt chunks with adapters among decode rows
-], ids=["many-slots", "one-slot-all-rows", "one-slot-some-rows", "one-row-groups", "chunks-among-decodes"])
+    [-1, 3, 3, -1, 0, 0, 3, -1],  # one tile per slot, slots not a run: the weights are gathered
+], ids=["many-slots", "one-slot-all-rows", "one-slot-some-rows", "one-row-groups", "chunks-among-decodes",
+        "one-tile-per-slot-not-a-run"])
 def test_planned_lora_linear_matches_a_per_row_reference(indices):
     torch.manual_seed(0)
     indices = torch.tensor(indices)
@@ -119,8 +121,9 @@ def test_planned_lora_linear_matches_a_per_row_reference(indices):
 
 
 def test_planned_weights_follow_vllm_writing_an_adapter_into_a_slot():
-    """vLLM copies a newly activated adapter into its slot in place: the next step must use it,
-    including for a slot the layer had already copied and for one it had not seen yet."""
+    """vLLM copies a newly activated adapter into its slot in place, through its own stacked
+    tensors: the planned ops read those tensors (re-seated side by side, their values kept), so
+    the next step uses the new adapter, for one slot or for every slot."""
     torch.manual_seed(0)
     rows, hidden, rank, slots, slices = 8, 6, 2, 3, (4, 4)
     lora_a = tuple(torch.randn(slots, 1, rank, hidden) for _ in slices)
@@ -140,10 +143,10 @@ def test_planned_weights_follow_vllm_writing_an_adapter_into_a_slot():
     for j in range(len(slices)):  # "activate" new adapters in slots 1 and 2, the way vLLM's set_lora writes them
         lora_a[j][1, 0].copy_(torch.randn(rank, hidden))
         lora_b[j][2, 0].copy_(torch.randn(slices[j], rank))
-    for indices in ([1] * rows, [2, 2, 2, 1, 1, 1, 0, 0]):  # one stale slot of three, then most of them
+    for indices in ([1] * rows, [2, 2, 2, 1, 1, 1, 0, 0]):  # one rewritten slot, then several
         got, expected = step(indices)
         assert torch.allclose(got, expected, atol=1e-5)
-    for j in range(len(slices)):  # every slot rewritten: the whole stack is copied at once
+    for j in range(len(slices)):  # every slot rewritten
         for slot in range(slots):
             lora_a[j][slot, 0].copy_(torch.randn(rank, hidden))
             lora_b[j][slot, 0].copy_(torch.randn(slices[j], rank))
@@ -170,6 +173,18 @@ def test_tile_plan_groups_rows_by_slot_with_little_padding():
         else:
             assert plan.untile[row] >= trailing and not real[plan.untile[row]]
     assert build_tile_plan(torch.full((6,), -1)) is None  # a decode-only LoRA-P step: no work
+    assert plan.slot_run is None  # slot 5 has two tiles: its weights are gathered per tile
+
+
+def test_tile_weights_are_a_view_only_when_the_tiles_are_one_per_slot_of_a_run():
+    weights = torch.arange(6.0).view(6, 1).expand(6, 3)
+    run = build_tile_plan(torch.tensor([-1, 2, 2, 3, 3, 4, -1]))
+    assert run.slot_run == (2, 5) and run.tile_weights(weights)[:, 0].tolist() == [2, 3, 4]
+    assert run.tile_weights(weights).data_ptr() == weights[2:].data_ptr()  # as it lies, no copy
+    for indices in ([-1, 1, 1, 3, 3], [2] * 5 + [1] * 70):  # slots 1 and 3 (a gap); slot 2 in two tiles
+        plan = build_tile_plan(torch.tensor(indices))
+        assert plan.slot_run is None
+        assert plan.tile_weights(weights)[:, 0].tolist() == plan.tile_slots[:-1].float().tolist()
 
 
 def test_tile_plan_reads_back_only_the_rows_from_the_first_adapter_row_to_the_last():
