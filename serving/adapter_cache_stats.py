@@ -2,11 +2,11 @@
 
 An adapter reaches a request's step through two caches in the engine process:
 
-- **host**: vLLM's LoRA cache in host memory (``--max-host-adapters``, vLLM's ``--max-cpu-loras``;
-  least recently used out). A LoRA not in it is read from the server's store copy.
+- **host**: the adapters kept in host memory (``--max-host-adapters``, vLLM's ``--max-cpu-loras``;
+  least recently used out): vLLM's LoRA cache and the ReFT-P bank's
+  (:class:`preft.serving.reft.ReftBank`). An adapter not in it is read from the server's store copy.
 - **slot**: the adapter slots a step runs with (``--max-adapters``; on a GPU, GPU memory): vLLM's
-  LoRA slots, and the ReFT-P bank (:class:`preft.serving.reft.ReftBank`). ReFT-P bundles are
-  read from the store copy straight into their slot, so they have no host cache.
+  LoRA slots, and the ReFT-P bank's slots.
 
 Per ``(cache, kind)`` this process counts ``loads``, ``evictions`` and the seconds loads took
 (a histogram over :data:`LOAD_BUCKETS_S`). The engine is another process than the API server,

@@ -23,7 +23,7 @@ And for the adapter caches (:mod:`preft.serving.adapter_cache_stats`), by ``cach
 ``preft_adapter_cache_loads_total``, ``preft_adapter_cache_evictions_total`` and the histogram
 ``preft_adapter_cache_load_seconds``, where ``cache`` is ``store`` (a bundle copied into the
 server's store and checked while serving: a runtime load, or a first use with
-``--resolve-adapters``; counted in this process), ``host`` (vLLM's LoRA host cache) or ``slot``
+``--resolve-adapters``; counted in this process), ``host`` (the host caches of LoRA and ReFT-P) or ``slot``
 (the adapter slots), the last two counted in the engine process.
 
 Read by ``prometheus_client``'s default registry, which vLLM's ``/metrics`` serves (a server with

@@ -73,11 +73,20 @@ class ReftBank:
     bundle that the current step does not use gives up its slot. A step never needs more than
     ``capacity`` bundles when the engine runs :class:`~preft.serving.scheduler.PreftScheduler`;
     without it, such a step grows the bank (logged once).
+
+    Host memory: the weights of up to ``host_capacity`` bundles (``--max-host-adapters``, like
+    vLLM's LoRA host cache; least recently used out) are kept once read and checked, so a
+    bundle that comes back into a slot (1,024 users on 8 slots: every prefill step) is not read
+    and checked from its store copy again.
     """
 
-    def __init__(self, num_layers: int, hidden_size: int, device: torch.device, capacity: int) -> None:
+    def __init__(self, num_layers: int, hidden_size: int, device: torch.device, capacity: int,
+                 host_capacity: int | None = None) -> None:
         self.num_layers, self.hidden_size, self.device = num_layers, hidden_size, device
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident bundle -> slot, least recent first
+        # bundle -> (manifest, checked weights in RAM), least recent first
+        self.host: OrderedDict[str, tuple[dict, dict[str, torch.Tensor]]] = OrderedDict()
+        self.host_capacity = max(host_capacity or capacity, capacity)
         self.rank = 0
         self.loads = 0  # bundles written into slots so far (eviction makes it exceed the bundles seen)
         self._allocate(capacity, rank=1)
@@ -134,7 +143,14 @@ class ReftBank:
             self.slot_of.move_to_end(bundle)
         return {bundle: self.slot_of[bundle] for bundle in needed}
 
-    def _write(self, bundle: str, slot: int) -> None:
+    def _held(self, bundle: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The bundle's manifest and weights: from host memory, or read from its store copy,
+        checked, and kept (the least recently used bundle out past ``host_capacity``)."""
+        held = self.host.get(bundle)
+        if held is not None:
+            self.host.move_to_end(bundle)
+            return held
+        start = time.perf_counter()
         if not is_store_copy(bundle):
             raise ValueError(NOT_SERVED)
         if not intact_store_copy("reft", bundle):
@@ -142,8 +158,18 @@ class ReftBank:
         manifest = read_manifest(bundle)
         if manifest.get("kind") != "reft":
             raise ValueError(f"{bundle} is a {manifest.get('kind')} bundle, not ReFT-P")
-        weights = load_file(f"{bundle}/reft_weights.safetensors")
+        # copies in RAM: safetensors' tensors are views of a mapping of the file
+        weights = {name: tensor.clone() for name, tensor in load_file(f"{bundle}/reft_weights.safetensors").items()}
         check_finite(weights)  # a NaN or inf stays out of the bank, whoever wrote the file
+        held = self.host[bundle] = (manifest, weights)
+        adapter_cache_stats.record_load("host", "reft", time.perf_counter() - start)
+        while len(self.host) > self.host_capacity:
+            self.host.popitem(last=False)
+            adapter_cache_stats.record_evictions("host", "reft", 1)
+        return held
+
+    def _write(self, bundle: str, slot: int) -> None:
+        manifest, weights = self._held(bundle)
         r = int(manifest["rank"])
         if r > self.rank:
             self._allocate(self.capacity, r)

@@ -311,7 +311,8 @@ def install_reft(runner) -> None:
         raise RuntimeError(f"preft: no decoder layers found in {type(model).__name__} (ReFT-P hooks)")
     device = next(model.parameters()).device
     REFT_BANK = reft.ReftBank(len(layers), runner.model_config.hf_config.hidden_size, device,
-                              reft.reft_slots(runner.lora_config))
+                              reft.reft_slots(runner.lora_config),
+                              host_capacity=getattr(runner.lora_config, "max_cpu_loras", None))
     reft.install_hooks(layers, REFT_BANK, lambda: get_step_context().reft_plan)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -116,3 +118,28 @@ def test_hooks_edit_the_stream_whichever_way_a_layer_returns_it(bundles):
     with pytest.raises(RuntimeError, match="MovedLayer no longer returns vLLM's \\(hidden, residual\\) pair"):
         layers[2](stream)
     assert not torch.equal(expected, stream)  # the edit is there to be seen
+
+
+def test_a_bundle_back_in_a_slot_comes_from_host_memory_until_evicted_there(bundles, tmp_path):
+    """1 slot, room for 2 bundles in host memory: a bundle that re-enters its slot is not read
+    from disk again; once pushed out of host memory it is read (and checked) again."""
+    import shutil
+
+    copies = [tmp_path / f"c{i}" for i in range(3)]
+    for source, copy in zip(bundles, copies):
+        shutil.copytree(source, copy)
+    copies = [str(c) for c in copies]
+    bank = ReftBank(4, 192, torch.device("cpu"), capacity=1, host_capacity=2)
+    stream = torch.randn(5, 192)
+    first = edit(bank, copies[0], stream, 0)
+    edit(bank, copies[1], stream, 1)  # takes the one slot: copies[0] leaves it, stays in host memory
+    weights = Path(copies[0]) / "reft_weights.safetensors"
+    weights.write_bytes(b"not a safetensors file")  # what a second read from disk would meet
+    assert torch.allclose(edit(bank, copies[0], stream, 0), first, atol=1e-5)  # back in its slot, from host memory
+    assert list(bank.host) == [copies[1], copies[0]]
+    edit(bank, copies[2], stream, 2)  # host memory holds 2: copies[1], the least recent, goes
+    assert list(bank.host) == [copies[0], copies[2]]
+    edit(bank, copies[1], stream, 1)  # read from disk again; pushes copies[0] out of host memory
+    assert copies[0] not in bank.host
+    with pytest.raises(Exception):  # now read from disk: the changed file is found
+        edit(bank, copies[0], stream, 0)
