@@ -57,6 +57,8 @@
     the base model's steps predict). Owned copies stay in memory; size the host cache to fit.
     Where vLLM pins a LoRA's tensors (a CUDA machine) they are copies already and are kept.
     Worth an upstream report: "the CPU LoRA host cache holds views of mmapped safetensors files".
+11. ``reset_lora`` / ``set_lora`` of the LoRA linear and logits layers: a slot is not zeroed when
+    it is zero already or the adapter being written fills it (:mod:`preft.serving.slot_zeroing`).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ import torch
 from preft import envs
 from preft.constants import FAILED_REQUESTS_ATTR
 from preft.bundle import bundle_rule
-from preft.serving import adapter_cache_stats, lora_ops, reft
+from preft.serving import adapter_cache_stats, lora_ops, reft, slot_zeroing
 from preft.serving.bundle_store import NOT_SERVED, is_store_copy
 from preft.serving.prompt_end import prompt_end_of
 from preft.serving.lora_mapping import prefill_only_mapping
@@ -393,6 +395,7 @@ def patch() -> None:
         return resident_lora(original(self, *args, **kwargs))
 
     wrap(LoRAModelRunnerMixin, "_set_active_loras")(set_active_loras_guarded)
+    slot_zeroing.install()
 
     @wrap(GPUModelRunner, "execute_model")
     def execute_model(original, self, *args, **kwargs):
