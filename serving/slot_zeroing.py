@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from preft.serving.patching import require, wrap
 
 
@@ -37,13 +35,14 @@ class SlotState:
     overwriting: int | None = None
 
 
-def _stacks(layer) -> tuple[torch.Tensor, ...]:
-    """The layer's stacked adapter tensors, A's then B's (a tuple per slice, or one tensor)."""
-    stacks = []
-    for name in ("lora_a_stacked", "lora_b_stacked"):
-        value = getattr(layer, name)
-        stacks += list(value) if isinstance(value, (tuple, list)) else [value]
-    return tuple(stacks)
+def _per_slice(value) -> list:
+    """vLLM's per-slice value (a tuple or list of them, or one for a single-slice layer) as a list."""
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _versions(layer) -> tuple[int, ...]:
+    """The version counters of the layer's stacked adapter tensors (any in-place write bumps one)."""
+    return tuple(t._version for name in ("lora_a_stacked", "lora_b_stacked") for t in _per_slice(getattr(layer, name)))
 
 
 def _state(layer) -> SlotState:
@@ -57,11 +56,8 @@ def fills_every_slice(layer, lora_a, lora_b) -> bool:
     """Whether ``set_lora``'s copy of ``lora_a`` / ``lora_b`` covers each slice's whole slot."""
     if getattr(layer, "tp_size", 1) != 1:  # sharded: vLLM slices the weights first
         return False
-    stacks_a, stacks_b = (getattr(layer, name) for name in ("lora_a_stacked", "lora_b_stacked"))
-    stacks_a = tuple(stacks_a) if isinstance(stacks_a, (tuple, list)) else (stacks_a,)
-    stacks_b = tuple(stacks_b) if isinstance(stacks_b, (tuple, list)) else (stacks_b,)
-    lora_a = list(lora_a) if isinstance(lora_a, (tuple, list)) else [lora_a]
-    lora_b = list(lora_b) if isinstance(lora_b, (tuple, list)) else [lora_b]
+    stacks_a, stacks_b = _per_slice(layer.lora_a_stacked), _per_slice(layer.lora_b_stacked)
+    lora_a, lora_b = _per_slice(lora_a), _per_slice(lora_b)
     if not len(lora_a) == len(lora_b) == len(stacks_a) == len(stacks_b):
         return False
     return all(a is not None and b is not None and stack_a.dim() == 4 and stack_b.dim() == 4
@@ -74,14 +70,13 @@ def reset_lora_when_needed(original, layer, index: int, *args, **kwargs):
     state = _state(layer)
     if state.overwriting == index:
         return None
-    versions = tuple(t._version for t in _stacks(layer))
-    if versions != state.versions:  # something wrote to the stacks: no slot is known to be zero
+    if _versions(layer) != state.versions:  # something wrote to the stacks: no slot is known to be zero
         state.zero = set()
     if index in state.zero:
         return None
     result = original(layer, index, *args, **kwargs)
     state.zero.add(index)
-    state.versions = tuple(t._version for t in _stacks(layer))
+    state.versions = _versions(layer)
     return result
 
 

@@ -141,5 +141,5 @@ def test_a_bundle_back_in_a_slot_comes_from_host_memory_until_evicted_there(bund
     assert list(bank.host) == [copies[0], copies[2]]
     edit(bank, copies[1], stream, 1)  # read from disk again; pushes copies[0] out of host memory
     assert copies[0] not in bank.host
-    with pytest.raises(Exception):  # now read from disk: the changed file is found
+    with pytest.raises(Exception, match="deserializing header"):  # now read from disk: the changed file is found
         edit(bank, copies[0], stream, 0)
