@@ -565,10 +565,11 @@ def capacity_run(model_cost, cost_model: str, model_dir: str, settings: dict, va
         f"Command: `{command}` ({common.machine()}); cost model `{Path(cost_model).name}` (the simulator's, and "
         "the targets'). A policy's SLO capacity is the highest Poisson rate at which at least "
         f"{slo_capacity.ATTAINMENT:.0%} of the requests meet both targets (a failed request misses). Simulator: "
-        f"{settings['capacity_requests']} requests a probe, the rate searched to a few percent. "
+        f"{settings['capacity_requests']} requests a probe, the rate searched to a few percent, and for the policies "
+        "run on the engine again on the engine's traces. "
         + (f"Engine: {settings['engine_requests']} requests a probe, a fresh `preft serve --scheduler P` for each, at "
-           f"most {settings['capacity_probes']} probes a search starting from the simulator's capacity for the "
-           "policy (SLOWeave as a user starts it: `--tpot-ms` and no cost model file). "
+           f"most {settings['capacity_probes']} probes a search starting from the simulator's capacity on the engine's "
+           "traces for the policy (SLOWeave as a user starts it: `--tpot-ms` and no cost model file). "
            if settings["engine_policies"] else "No engine runs. ")
         + f"{found['rounds']} rounds, each a new "
         "trace seed for the simulator and the engine alike; the ratio is per round. TPOT targets are multiples of "
@@ -576,11 +577,16 @@ def capacity_run(model_cost, cost_model: str, model_dir: str, settings: dict, va
         "![SLO capacity](goodput_capacity.png)\n",
         slo_capacity.table(found), ""]
     if fidelity_rows:
-        markdown += ["Simulator over engine on the same traces (median capacities):\n",
-                     "| workload | TPOT scale | policy: simulator / engine capacity | same ranking |",
-                     "|---|---|---|---|"]
+        markdown += ["Simulator over engine on the engine's traces (median capacities; the share of rounds whose "
+                     "simulator capacity lies in the engine search's bracket; the median gap in attainment at the "
+                     "engine's probe rates):\n",
+                     "| workload | TPOT scale | policy: simulator / engine capacity (gap), in bracket, attainment gap "
+                     "| same ranking |", "|---|---|---|---|"]
         for entry in fidelity_rows:
-            cells = "; ".join(f"{p} {v['simulated']:.2f} / {v['served']:.2f}" for p, v in entry["policies"].items())
+            gaps = {p: "-" if g is None else f"{100 * g:+.0f}%" for p, g in entry["gap"].items()}
+            cells = "; ".join(f"{p} {v['simulated']:.2f} / {v['served']:.2f} ({gaps[p]}), "
+                              f"{100 * v['in_bracket']:.0f}%, {100 * v['attainment_gap']:.0f} pts"
+                              for p, v in entry["policies"].items())
             markdown.append(f"| {entry['workload']} | {entry['tpot_scale']:g} | {cells} | "
                             f"{'yes' if entry['same_ranking'] else 'no'} |")
         markdown.append("")
@@ -588,7 +594,8 @@ def capacity_run(model_cost, cost_model: str, model_dir: str, settings: dict, va
                      "lowest that missed; 'resolved' where SLOWeave's and the best fixed chunk's brackets do not "
                      "overlap, so the probes rank them):\n", slo_capacity.brackets_table(found), ""]
     settings["bundles"] = sorted(settings["bundles"])
-    result = {"command": command, "model": values["model"], "cost_model": cost_model, "machine": common.machine(),
+    result = {"command": command, "model": values["model"], "cost_model": cost_model,
+              "cost_model_weights": model_cost.to_json(), "machine": common.machine(),
               "settings": settings, "capacity": found, "fidelity": fidelity_rows,
               "wall_time_s": round(time.time() - started, 1)}
     save_run(goodput_dir, "goodput_capacity", result, "\n".join(markdown), also=(figure,), json_name="goodput_capacity.json")

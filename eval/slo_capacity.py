@@ -16,6 +16,13 @@ trace of the same seed (arrivals scaled to the rate), so attainment moves with t
   serve`` at the trace's arrival times (:func:`preft.eval.common.serve_trace`), starting from the
   simulator's capacity for that policy so that a few probes suffice.
 
+A capacity belongs to its trace's length as much as to the policy: near capacity the queue grows
+for as long as requests keep arriving, so a short trace ends before the backlog that sinks a long
+one (on ``mixed`` at a loose target, 80 requests a probe put a fixed chunk's capacity up to 1.45x
+what 600 do). The simulator therefore searches twice: its own long traces (the steadier figure)
+and the engine's very traces (``engine_requests`` requests, same seed), which is the figure the
+engine is compared with; each engine probe also records the simulator's attainment on its trace.
+
 ``preft eval goodput --capacity`` runs both (:mod:`preft.eval.goodput`).
 """
 
@@ -64,17 +71,23 @@ def attainment(timings, offered: int, ttft_s: float, tpot_s: float) -> float:
     return sum(meets(t, ttft_s, tpot_s) for t in timings) / offered
 
 
-def simulated(cost_model, policy: str, kind: str, settings: dict, tpot_s: float, ttft_s: float, start: float,
-              seed: int, probes: int = 14) -> dict[str, Any]:
-    """The policy's SLO capacity in the simulator (``settings["capacity_requests"]`` a probe)."""
+def simulated_attainment(cost_model, policy: str, kind: str, settings: dict, tpot_s: float, ttft_s: float,
+                         rate: float, seed: int, requests: int) -> float:
+    """The simulator's attainment on the trace of ``requests`` requests of ``seed`` at ``rate``."""
     from preft.eval.common import simulate_policy
     from preft.serving.scheduling import workloads
 
-    def at(rate: float) -> float:
-        work = workloads.generate(kind, settings["capacity_requests"], rate, seed=seed, max_model_len=settings["max_len"])
-        return attainment(simulate_policy(cost_model, policy, work, settings, tpot_s).timings, len(work), ttft_s, tpot_s)
+    work = workloads.generate(kind, requests, rate, seed=seed, max_model_len=settings["max_len"])
+    return attainment(simulate_policy(cost_model, policy, work, settings, tpot_s).timings, len(work), ttft_s, tpot_s)
 
-    return search(at, start, probes)
+
+def simulated(cost_model, policy: str, kind: str, settings: dict, tpot_s: float, ttft_s: float, start: float,
+              seed: int, probes: int = 14, requests: int | None = None) -> dict[str, Any]:
+    """The policy's SLO capacity in the simulator, ``requests`` a probe (default
+    ``settings["capacity_requests"]``)."""
+    requests = requests or settings["capacity_requests"]
+    return search(lambda rate: simulated_attainment(cost_model, policy, kind, settings, tpot_s, ttft_s, rate, seed,
+                                                    requests), start, probes)
 
 
 def served(model_dir: str, policy_args: list[str], kind: str, settings: dict, tpot_s: float, ttft_s: float,
@@ -137,19 +150,28 @@ def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]
                     row = {"workload": kind, "tpot_scale": tpot_scale, "tpot_ms": 1e3 * tpot,
                            "ttft_ms": 1e3 * scale["ttft_s"], "round": round_index, "policy": policy,
                            "throughput_capacity": rate0, "simulated": sim["capacity"], "simulated_search": sim,
-                           "served": None}
+                           "served": None, "simulated_engine_trace": None}
                     if engine_here and policy in settings["engine_policies"] and sim["capacity"] > 0:
+                        # the engine's traces in the simulator: what the engine's capacity is compared with
+                        short = simulated(cost_model, policy, kind, settings, tpot, scale["ttft_s"], rate0, seed,
+                                          requests=settings["engine_requests"])
                         label = f"{kind}-t{tpot_scale:g}-r{round_index}-{policy.replace(':', '')}"
                         engine = served(model_dir, policy_args(policy, tpot), kind, settings, tpot, scale["ttft_s"],
-                                        sim["capacity"], seed, settings["capacity_probes"], run_dir, label)
-                        row.update(served=engine["capacity"], served_search=engine)
+                                        short["capacity"] or sim["capacity"], seed, settings["capacity_probes"],
+                                        run_dir, label)
+                        for probe in engine["probes"]:
+                            probe["simulated_attainment"] = simulated_attainment(
+                                cost_model, policy, kind, settings, tpot, scale["ttft_s"], probe["rate"], seed,
+                                settings["engine_requests"])
+                        row.update(served=engine["capacity"], served_search=engine,
+                                   simulated_engine_trace=short["capacity"], simulated_engine_trace_search=short)
                     rows.append(row)
     summary = []
     for kind in settings["workloads"]:
         for tpot_scale in settings["tpot_scales"]:
             here = [r for r in rows if r["workload"] == kind and r["tpot_scale"] == tpot_scale]
-            for source in ("simulated", "served"):
-                per_round = [{r["policy"]: r[source] for r in here if r["round"] == i and r[source] is not None}
+            for source in ("simulated", "simulated_engine_trace", "served"):
+                per_round = [{r["policy"]: r[source] for r in here if r["round"] == i and r.get(source) is not None}
                              for i in range(rounds)]
                 if not any(per_round):
                     continue
@@ -158,7 +180,7 @@ def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]
                          "ttft_ms": here[0]["ttft_ms"], "source": source, "policies": {},
                          "sloweave_vs_best_fixed": statistics.median(ratios) if ratios else None,
                          "sloweave_vs_best_fixed_range": [min(ratios), max(ratios)] if ratios else None}
-                for policy in dict.fromkeys(r["policy"] for r in here if r[source] is not None):
+                for policy in dict.fromkeys(r["policy"] for r in here if r.get(source) is not None):
                     values = [c[policy] for c in per_round if policy in c]
                     entry["policies"][policy] = {"median": statistics.median(values), "range": [min(values), max(values)]}
                 summary.append(entry)
@@ -201,6 +223,9 @@ def brackets_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+WHERE = {"simulated": "simulator", "simulated_engine_trace": "simulator, the engine's traces", "served": "engine"}
+
+
 def table(result: dict[str, Any]) -> str:
     """The capacity table: simulator and engine side by side, SLOWeave over the best fixed chunk."""
     lines = ["| workload | TPOT target (ms) | where | " + "policy: SLO capacity, median [range] (req/s) | "
@@ -211,14 +236,16 @@ def table(result: dict[str, Any]) -> str:
         ratio = entry["sloweave_vs_best_fixed"]
         ratio_text = (f"{ratio:.2f}x [{entry['sloweave_vs_best_fixed_range'][0]:.2f}-"
                       f"{entry['sloweave_vs_best_fixed_range'][1]:.2f}]" if ratio is not None else "-")
-        where = "engine" if entry["source"] == "served" else "simulator"
+        where = WHERE[entry["source"]]
         lines.append(f"| {entry['workload']} | {entry['tpot_ms']:.1f} | {where} | {cells} | {ratio_text} |")
     return "\n".join(lines)
 
 
 def fidelity(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per (workload, target, policy) run on the engine: the simulator's capacity on the same traces
-    over the engine's (median over rounds), and whether the policies rank the same in both."""
+    """Per (workload, target, policy) run on the engine: the simulator's capacity on the engine's
+    traces over the engine's (median over rounds), whether the simulator's capacity lies in the
+    engine's bracket ``[met, missed)``, the median gap in attainment between the two at the
+    engine's probe rates, and whether the policies rank the same in both."""
     import statistics
 
     out = []
@@ -228,13 +255,24 @@ def fidelity(result: dict[str, Any]) -> list[dict[str, Any]]:
         by_policy = {}
         for policy in dict.fromkeys(r["policy"] for r in here):
             mine = [r for r in here if r["policy"] == policy]
-            by_policy[policy] = {"served": statistics.median(r["served"] for r in mine),
-                                 "simulated": statistics.median(r["simulated"] for r in mine)}
+            probes = [p for r in mine for p in r["served_search"]["probes"]]
+            by_policy[policy] = {
+                "served": statistics.median(r["served"] for r in mine),
+                "simulated": statistics.median(r["simulated_engine_trace"] for r in mine),
+                "in_bracket": sum(in_bracket(r["simulated_engine_trace"], r["served_search"]["bracket"])
+                                  for r in mine) / len(mine),
+                "attainment_gap": statistics.median(abs(p["simulated_attainment"] - p["attainment"]) for p in probes)}
         rank = lambda source: sorted(by_policy, key=lambda p: -by_policy[p][source])  # noqa: E731
         out.append({"workload": key[0], "tpot_scale": key[1], "policies": by_policy,
                     "gap": {p: v["simulated"] / v["served"] - 1 if v["served"] else None for p, v in by_policy.items()},
                     "same_ranking": rank("served") == rank("simulated")})
     return out
+
+
+def in_bracket(rate: float, bracket: list) -> bool:
+    """Whether ``rate`` lies in an engine search's ``[met, missed)`` (``missed`` None: no probe missed)."""
+    low, high = bracket
+    return low <= rate and (high is None or rate < high)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -250,13 +288,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups), 3.6), squeeze=False)
     for ax, (kind, tpot_ms) in zip(axes[0], groups):
         entries = {e["source"]: e for e in result["summary"] if (e["workload"], e["tpot_ms"]) == (kind, tpot_ms)}
-        policies = list(entries["simulated"]["policies"])
+        # with the engine: its policies, each beside the simulator on the engine's traces
+        engine_here = "served" in entries
+        policies = list(entries["served" if engine_here else "simulated"]["policies"])
         for index, policy in enumerate(policies):
-            sim = entries["simulated"]["policies"][policy]
-            engine = entries.get("served", {}).get("policies", {}).get(policy)
-            bar = engine if served else sim
-            if served:
-                ax.plot(index, sim["median"], "k_", markersize=14)
+            bar = entries["served" if engine_here else "simulated"]["policies"][policy]
+            if engine_here:
+                ax.plot(index, entries["simulated_engine_trace"]["policies"][policy]["median"], "k_", markersize=14)
             if bar:
                 ax.bar(index, bar["median"], 0.6, yerr=[[bar["median"] - bar["range"][0]],
                                                         [bar["range"][1] - bar["median"]]], capsize=3,
@@ -265,7 +303,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{kind}, TPOT {tpot_ms:.0f} ms", fontsize=9)
         ax.set_ylabel("SLO capacity (req/s)", fontsize=8)
         ax.set_ylim(bottom=0)
-    where = "bars: engine; -: simulator" if served else "simulator, no engine runs"
+    where = ("bars: engine, or the simulator where no engine ran; -: simulator on the engine's traces" if served
+             else "simulator, no engine runs")
     fig.suptitle(f"highest rate with >= {ATTAINMENT:.0%} of requests within both targets\n"
                  f"({where}; median and range over rounds)", fontsize=9)
     fig.tight_layout()

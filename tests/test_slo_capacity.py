@@ -123,3 +123,35 @@ def test_goodput_capacity_reports_each_engine_search_bracket(tmp_path, monkeypat
     number = r"\d+\.\d\d"
     assert re.search(rf"\| mixed \| [\d.]+ \| 1 \| fixed:16 {number} \[{number}\]; sloweave {number} \[{number}\] "
                      rf"\| yes \|", searches), searches
+
+
+def test_the_engine_is_compared_with_the_simulator_on_the_engine_s_own_traces(tmp_path, monkeypatch):
+    from preft.eval import goodput
+    from preft.serving.scheduling.cost_model import StepCostModel
+
+    cost_model = StepCostModel.synthetic()
+    # a stand-in engine that behaves exactly as the simulator does on the traces it is sent
+    def served(model_dir, policy_args, kind, settings, tpot_s, ttft_s, start, seed, probes, run_dir, label):
+        policy = policy_args[1]
+        return slo_capacity.search(lambda rate: slo_capacity.simulated_attainment(
+            cost_model, policy, kind, settings, tpot_s, ttft_s, rate, seed, settings["engine_requests"]), start, probes)
+
+    monkeypatch.setattr(slo_capacity, "served", served)
+    cost = cost_model.save(tmp_path / "cost.json")
+    result = goodput.main(model="default", cost_model=str(cost), workloads="mixed", policies="fixed:16,fixed:256",
+                          tpot_scales="4", capacity=True, capacity_requests=300, engine_requests=30,
+                          engine_policies="fixed:16,fixed:256", engine_workload="mixed", engine_rounds=1,
+                          capacity_probes=4, out=str(tmp_path))
+    rows = result["capacity"]["rows"]
+    # short traces end before the backlog of long ones builds: the two simulator figures differ
+    assert any(r["simulated_engine_trace"] != r["simulated"] for r in rows)
+    for row in rows:
+        assert row["simulated_engine_trace"] == row["simulated_engine_trace_search"]["capacity"]
+        assert all(p["simulated_attainment"] == p["attainment"] for p in row["served_search"]["probes"])
+    for policy, entry in result["fidelity"][0]["policies"].items():
+        assert entry["attainment_gap"] == 0.0 and entry["simulated"] == next(
+            r["simulated_engine_trace"] for r in rows if r["policy"] == policy)
+    assert result["cost_model_weights"]["weights"] == cost_model.weights
+    markdown = (tmp_path / "goodput" / "goodput_capacity.md").read_text()
+    assert "| mixed | 4 | fixed:16 " in markdown and "0 pts" in markdown
+    assert "simulator, the engine's traces" in markdown
