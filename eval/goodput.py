@@ -425,7 +425,7 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
          engine_load: float = 0.5, engine_requests: int = 300, engine_rounds: int = 0, engine_loads: str = "0.5,0.75",
          engine_seeded: bool = False, adapters: int = 0, slots: int = 0, capacity: bool = False,
          capacity_probes: int = 4, capacity_requests: int = 600, engine_tpot_scales: str = "",
-         out: str = "runs/eval") -> dict[str, Any]:
+         from_run: str = "", out: str = "runs/eval") -> dict[str, Any]:
     from transformers import AutoConfig
 
     from preft.eval import common
@@ -441,6 +441,12 @@ def main(model: str = "512x8", cost_model: str | None = None, workloads: str = "
     arguments = dict(locals())
     values = {name: arguments[name] for name in inspect.signature(main).parameters}
     started = time.time()
+    if from_run:
+        if not capacity:
+            raise ValueError("--from-run makes a --capacity run's report again: give --capacity")
+        goodput_dir = Path(out) / "goodput"
+        goodput_dir.mkdir(parents=True, exist_ok=True)
+        return capacity_report_again(from_run, values, goodput_dir, started)
     settings = {"workloads": _parse(workloads, str, "workloads"), "policies": _parse(policies, str, "policies"),
                 "tpot_scales": _parse(tpot_scales, float, "tpot-scales"), "loads": _parse(loads, float, "loads"),
                 "engine_policies": _parse(engine_policies, str, "engine-policies") if engine_policies else [],
@@ -556,10 +562,50 @@ def capacity_run(model_cost, cost_model: str, model_dir: str, settings: dict, va
     from preft.eval.results import command_line
 
     found = slo_capacity.run(model_cost, model_dir, settings, goodput_dir)
+    slo_capacity.recalibrate(found, settings, goodput_dir / "capacity")
+    command = command_line("goodput", main, values, always=("model",))
+    settings["bundles"] = sorted(settings["bundles"])
+    return capacity_report(found, settings, command, values["model"], cost_model, model_cost, goodput_dir, started)
+
+
+def capacity_report_again(run: str, values: dict, goodput_dir: Path, started: float) -> dict[str, Any]:
+    """``--capacity --from-run DIR``: the report of the capacity run in ``DIR`` (its
+    ``goodput/goodput_capacity.json`` and engine step logs) made again in ``--out``, with the
+    simulator recalibrated on the engine's steps (:func:`preft.eval.slo_capacity.recalibrate`);
+    nothing is served."""
+    from preft.eval import slo_capacity
+    from preft.eval.results import command_line
+    from preft.serving.scheduling.cost_model import FEATURES, StepCostModel
+
+    source = Path(run) / "goodput" / "goodput_capacity.json"
+    try:
+        previous = json.loads(source.read_text())
+        found, settings = previous["capacity"], previous["settings"]
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"--from-run: {source} is not the result of `preft eval goodput --capacity` ({err})") from None
+    if "cost_model_weights" in previous:
+        weights = previous["cost_model_weights"]
+        model_cost = StepCostModel(weights["weights"], weights.get("source", "fitted"),
+                                   {k: v for k, v in weights.items() if k not in ("formula", "features", "weights",
+                                                                                  "source")})
+        assert weights["features"] == list(FEATURES)
+    else:
+        model_cost = StepCostModel.load(previous["cost_model"])
+    slo_capacity.recalibrate(found, settings, source.parent / "capacity")
+    command = command_line("goodput", main, values, always=("model",))
+    result = capacity_report(found, settings, f"{previous['command']}`, then `{command}", previous["model"],
+                             previous["cost_model"], model_cost, goodput_dir, started)
+    return result
+
+
+def capacity_report(found: dict, settings: dict, command: str, model: str, cost_model: str, model_cost,
+                    goodput_dir: Path, started: float) -> dict[str, Any]:
+    """The capacity run's table, fidelity, brackets and figure, published as ``eval_goodput_capacity``."""
+    from preft.eval import common, slo_capacity
+
     fidelity_rows = slo_capacity.fidelity(found)
     figure = goodput_dir / "goodput_capacity.png"
     slo_capacity.plot(found, figure)
-    command = command_line("goodput", main, values, always=("model",))
     markdown = [
         "## SLO capacity: SLOWeave vs fixed prefill chunks (`preft eval goodput --capacity`)\n",
         f"Command: `{command}` ({common.machine()}); cost model `{Path(cost_model).name}` (the simulator's, and "
@@ -576,6 +622,11 @@ def capacity_run(model_cost, cost_model: str, model_dir: str, settings: dict, va
         "the workload's decode step at its batch size, TTFT 10x the step that prefills its p95 prompt.\n",
         "![SLO capacity](goodput_capacity.png)\n",
         slo_capacity.table(found), ""]
+    models = found.get("recalibrated_cost_models", {})
+    if models:
+        markdown.append("Recalibrated: for each workload, a cost model fitted on the steps the engine ran in the "
+                        "other workloads' probes (" + "; ".join(f"for {kind}: {m['steps']} steps of {', '.join(m['fitted_on'])}"
+                                                                   for kind, m in models.items()) + ").\n")
     if fidelity_rows:
         markdown += ["Simulator over engine on the engine's traces (median capacities; the share of rounds whose "
                      "simulator capacity lies in the engine search's bracket; the median gap in attainment at the "
@@ -589,12 +640,19 @@ def capacity_run(model_cost, cost_model: str, model_dir: str, settings: dict, va
                               for p, v in entry["policies"].items())
             markdown.append(f"| {entry['workload']} | {entry['tpot_scale']:g} | {cells} | "
                             f"{'yes' if entry['same_ranking'] else 'no'} |")
+            if "recalibrated_gap" in entry:
+                gaps = {p: "-" if g is None else f"{100 * g:+.0f}%" for p, g in entry["recalibrated_gap"].items()}
+                cells = "; ".join(f"{p} {v['recalibrated']['simulated']:.2f} / {v['served']:.2f} ({gaps[p]}), "
+                                  f"{100 * v['recalibrated']['in_bracket']:.0f}%, "
+                                  f"{100 * v['recalibrated']['attainment_gap']:.0f} pts"
+                                  for p, v in entry["policies"].items())
+                markdown.append(f"| {entry['workload']}, recalibrated | {entry['tpot_scale']:g} | {cells} | "
+                                f"{'yes' if entry['recalibrated_same_ranking'] else 'no'} |")
         markdown.append("")
         markdown += ["Engine searches, per round (a bracket's ends: the highest rate that met both targets and the "
                      "lowest that missed; 'resolved' where SLOWeave's and the best fixed chunk's brackets do not "
                      "overlap, so the probes rank them):\n", slo_capacity.brackets_table(found), ""]
-    settings["bundles"] = sorted(settings["bundles"])
-    result = {"command": command, "model": values["model"], "cost_model": cost_model,
+    result = {"command": command, "model": model, "cost_model": cost_model,
               "cost_model_weights": model_cost.to_json(), "machine": common.machine(),
               "settings": settings, "capacity": found, "fidelity": fidelity_rows,
               "wall_time_s": round(time.time() - started, 1)}
@@ -634,5 +692,8 @@ def add_arguments(parser) -> None:
         ("--capacity-probes", int, "with --capacity: engine servers per search"),
         ("--capacity-requests", int, "with --capacity: requests a simulator probe"),
         ("--engine-tpot-scales", str, "with --capacity: the TPOT targets searched on the engine (default: all)"),
+        ("--from-run", str, "with --capacity: serve nothing; make the report of the capacity run in this --out "
+                            "directory again (its results and engine step logs), in --out, with the simulator "
+                            "recalibrated on the engine's steps"),
         ("--out", str, "results directory"),
     ])

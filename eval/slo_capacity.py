@@ -23,6 +23,12 @@ what 600 do). The simulator therefore searches twice: its own long traces (the s
 and the engine's very traces (``engine_requests`` requests, same seed), which is the figure the
 engine is compared with; each engine probe also records the simulator's attainment on its trace.
 
+A simulator is as good as its step cost model, and a served engine's steps take longer the
+more requests a second its API server and load generator handle beside it on the same cores.
+:func:`recalibrate` therefore also runs the simulator with a cost model fitted on the steps the
+engine itself ran in the probes of the *other* workloads (leave one workload out: no step of the
+workload it predicts).
+
 ``preft eval goodput --capacity`` runs both (:mod:`preft.eval.goodput`).
 """
 
@@ -109,6 +115,60 @@ def served(model_dir: str, policy_args: list[str], kind: str, settings: dict, tp
     return search(at, start, probes)
 
 
+def probe_label(kind: str, tpot_scale: float, round_index: int, policy: str) -> str:
+    """The name an engine search's files carry: ``steps-LABEL-RATE.jsonl`` per probe (its step log)."""
+    return f"{kind}-t{tpot_scale:g}-r{round_index}-{policy.replace(':', '')}"
+
+
+def probe_steps(run_dir: Path, row: dict[str, Any], rate: float) -> list[dict[str, Any]]:
+    """The steps the engine ran in one probe of ``row``'s search (its step log; idle steps left out)."""
+    import json
+
+    label = probe_label(row["workload"], row["tpot_scale"], row["round"], row["policy"])
+    path = Path(run_dir) / f"steps-{label}-{rate:.3f}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no step log {path} for an engine probe: recalibrating needs the run's step logs")
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    return [step for step in steps if step["seconds"] > 0 and (step["n"] or step["c"])]
+
+
+def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
+    """For each engine workload (two or more): a cost model fitted on the engine's steps in the
+    other workloads' probes, and with it the simulator's capacity on the engine's traces and its
+    attainment at every engine probe, in ``row["recalibrated"]`` (and ``..._search``,
+    ``probe["recalibrated_attainment"]``); the models in ``result["recalibrated_cost_models"]``."""
+    import statistics
+
+    from preft.serving.scheduling.cost_model import StepCostModel
+
+    rows = [r for r in result["rows"] if r.get("served_search")]
+    kinds = list(dict.fromkeys(r["workload"] for r in rows))
+    if len(kinds) < 2:
+        return
+    models = result["recalibrated_cost_models"] = {}
+    for kind in kinds:
+        steps = [step for r in rows if r["workload"] != kind for probe in r["served_search"]["probes"]
+                 for step in probe_steps(run_dir, r, probe["rate"])]
+        gaps = [step["gap_s"] for step in steps if step.get("gap_s") is not None]
+        model = StepCostModel.fit([(step["n"], step["c"], step["x"]) for step in steps],
+                                  [step["seconds"] for step in steps],
+                                  source="the engine's steps in the other workloads' probes",
+                                  meta={"gap_s": statistics.median(gaps) if gaps else 0.0, "steps": len(steps),
+                                        "fitted_on": [k for k in kinds if k != kind]})
+        models[kind] = model.to_json()
+        for row in (r for r in rows if r["workload"] == kind):
+            tpot_s, ttft_s, seed = row["tpot_ms"] / 1e3, row["ttft_ms"] / 1e3, 100 + row["round"]
+            start = row.get("simulated_engine_trace") or row["simulated"]
+            found = simulated(model, row["policy"], kind, settings, tpot_s, ttft_s, start, seed,
+                              requests=settings["engine_requests"])
+            row.update(recalibrated=found["capacity"], recalibrated_search=found)
+            for probe in row["served_search"]["probes"]:
+                probe["recalibrated_attainment"] = simulated_attainment(
+                    model, row["policy"], kind, settings, tpot_s, ttft_s, probe["rate"], seed, settings["engine_requests"])
+        print(f"[capacity] recalibrated on {len(steps)} engine steps of the other workloads: {kind} resimulated",
+              flush=True)
+
+
 def policy_args(policy: str, tpot_s: float) -> list[str]:
     """``preft serve`` arguments for ``policy`` as a user starts it (SLOWeave: its target, nothing else)."""
     return ["--scheduler", policy] + (["--tpot-ms", f"{1e3 * tpot_s:.3f}"] if policy == "sloweave" else [])
@@ -155,7 +215,7 @@ def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]
                         # the engine's traces in the simulator: what the engine's capacity is compared with
                         short = simulated(cost_model, policy, kind, settings, tpot, scale["ttft_s"], rate0, seed,
                                           requests=settings["engine_requests"])
-                        label = f"{kind}-t{tpot_scale:g}-r{round_index}-{policy.replace(':', '')}"
+                        label = probe_label(kind, tpot_scale, round_index, policy)
                         engine = served(model_dir, policy_args(policy, tpot), kind, settings, tpot, scale["ttft_s"],
                                         short["capacity"] or sim["capacity"], seed, settings["capacity_probes"],
                                         run_dir, label)
@@ -170,7 +230,7 @@ def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]
     for kind in settings["workloads"]:
         for tpot_scale in settings["tpot_scales"]:
             here = [r for r in rows if r["workload"] == kind and r["tpot_scale"] == tpot_scale]
-            for source in ("simulated", "simulated_engine_trace", "served"):
+            for source in ("simulated", "simulated_engine_trace", "recalibrated", "served"):
                 per_round = [{r["policy"]: r[source] for r in here if r["round"] == i and r.get(source) is not None}
                              for i in range(rounds)]
                 if not any(per_round):
@@ -223,7 +283,9 @@ def brackets_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-WHERE = {"simulated": "simulator", "simulated_engine_trace": "simulator, the engine's traces", "served": "engine"}
+WHERE = {"simulated": "simulator", "simulated_engine_trace": "simulator, the engine's traces",
+         "recalibrated": "simulator, the engine's traces, recalibrated on the other workloads' engine steps",
+         "served": "engine"}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -262,10 +324,23 @@ def fidelity(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "in_bracket": sum(in_bracket(r["simulated_engine_trace"], r["served_search"]["bracket"])
                                   for r in mine) / len(mine),
                 "attainment_gap": statistics.median(abs(p["simulated_attainment"] - p["attainment"]) for p in probes)}
-        rank = lambda source: sorted(by_policy, key=lambda p: -by_policy[p][source])  # noqa: E731
-        out.append({"workload": key[0], "tpot_scale": key[1], "policies": by_policy,
-                    "gap": {p: v["simulated"] / v["served"] - 1 if v["served"] else None for p, v in by_policy.items()},
-                    "same_ranking": rank("served") == rank("simulated")})
+            if all(r.get("recalibrated") is not None for r in mine):
+                by_policy[policy]["recalibrated"] = {
+                    "simulated": statistics.median(r["recalibrated"] for r in mine),
+                    "in_bracket": sum(in_bracket(r["recalibrated"], r["served_search"]["bracket"])
+                                      for r in mine) / len(mine),
+                    "attainment_gap": statistics.median(abs(p["recalibrated_attainment"] - p["attainment"])
+                                                        for p in probes)}
+        rank = lambda value: sorted(by_policy, key=lambda p: -value(by_policy[p]))  # noqa: E731
+        entry = {"workload": key[0], "tpot_scale": key[1], "policies": by_policy,
+                 "gap": {p: v["simulated"] / v["served"] - 1 if v["served"] else None for p, v in by_policy.items()},
+                 "same_ranking": rank(lambda v: v["served"]) == rank(lambda v: v["simulated"])}
+        if all("recalibrated" in v for v in by_policy.values()):
+            entry["recalibrated_gap"] = {p: v["recalibrated"]["simulated"] / v["served"] - 1 if v["served"] else None
+                                         for p, v in by_policy.items()}
+            entry["recalibrated_same_ranking"] = rank(lambda v: v["served"]) == rank(
+                lambda v: v["recalibrated"]["simulated"])
+        out.append(entry)
     return out
 
 

@@ -155,3 +155,59 @@ def test_the_engine_is_compared_with_the_simulator_on_the_engine_s_own_traces(tm
     markdown = (tmp_path / "goodput" / "goodput_capacity.md").read_text()
     assert "| mixed | 4 | fixed:16 " in markdown and "0 pts" in markdown
     assert "simulator, the engine's traces" in markdown
+
+
+def test_recalibrating_on_the_engine_s_steps_of_other_workloads_recovers_the_engine_s_step_cost(tmp_path, monkeypatch):
+    import json as json_module
+
+    from preft.eval import goodput
+    from preft.eval.common import simulate_policy
+    from preft.serving.scheduling import workloads
+    from preft.serving.scheduling.cost_model import StepCostModel
+
+    synthetic = StepCostModel.synthetic()
+    engine_cost = StepCostModel([0.6 * w for w in synthetic.weights])  # the engine runs faster than profiled
+
+    # a stand-in engine: the simulator with the engine's step cost, writing a step log per probe as serve_trace does
+    def served(model_dir, policy_args, kind, settings, tpot_s, ttft_s, start, seed, probes, run_dir, label):
+        def at(rate):
+            work = workloads.generate(kind, settings["engine_requests"], rate, seed=seed, max_model_len=settings["max_len"])
+            result = simulate_policy(engine_cost, policy_args[1], work, settings, tpot_s, record=True)
+            with open(run_dir / f"steps-{label}-{rate:.3f}.jsonl", "w") as log:
+                for n, c, x in result.step_shapes:
+                    log.write(json_module.dumps({"n": n, "c": c, "x": x, "seconds": engine_cost(n, c, x),
+                                                 "gap_s": 0.0}) + "\n")
+            return slo_capacity.attainment(result.timings, len(work), ttft_s, tpot_s)
+        return slo_capacity.search(at, start, probes)
+
+    monkeypatch.setattr(slo_capacity, "served", served)
+    cost = synthetic.save(tmp_path / "cost.json")
+    arguments = dict(model="default", cost_model=str(cost), workloads="mixed,long", policies="fixed:16,fixed:256",
+                     tpot_scales="4", capacity=True, capacity_requests=100, engine_requests=40,
+                     engine_policies="fixed:16,fixed:256", engine_workload="mixed,long", engine_rounds=1,
+                     capacity_probes=4)
+    result = goodput.main(**arguments, out=str(tmp_path / "run"))
+    models = result["capacity"]["recalibrated_cost_models"]
+    assert models["mixed"]["fitted_on"] == ["long"] and models["long"]["fitted_on"] == ["mixed"]
+    logs = tmp_path / "run" / "goodput" / "capacity"
+    for kind, other in (("mixed", "long"), ("long", "mixed")):  # leave one workload out: the other's steps
+        lines = sum(len(path.read_text().splitlines()) for path in logs.glob(f"steps-{other}-*.jsonl"))
+        assert models[kind]["steps"] == lines
+    for model in models.values():  # fitted on the other workload's steps alone, it finds the engine's cost
+        fitted = StepCostModel(model["weights"])
+        assert all(abs(fitted(n, c, x) - engine_cost(n, c, x)) < 1e-3 * engine_cost(n, c, x)
+                   for n, c, x in [(0, 64, 0), (8, 0, 900), (16, 200, 3000)])
+    for entry in result["fidelity"]:
+        for policy, values in entry["policies"].items():  # the engine's 4 probes bracket its capacity coarsely
+            assert values["recalibrated"]["attainment_gap"] <= 0.01 and values["recalibrated"]["in_bracket"] == 1.0
+            # the profiled model is slower than the engine: the simulator underestimates its capacity
+            assert values["attainment_gap"] > 0.1 and values["in_bracket"] == 0.0 and entry["gap"][policy] < 0
+    markdown = (tmp_path / "run" / "goodput" / "goodput_capacity.md").read_text()
+    assert "| mixed, recalibrated | 4 |" in markdown and "for long: " in markdown
+
+    # the report made again from the run's files alone, serving nothing
+    monkeypatch.setattr(slo_capacity, "served", None)
+    again = goodput.main(**arguments, from_run=str(tmp_path / "run"), out=str(tmp_path / "again"))
+    assert again["fidelity"] == result["fidelity"] and "--from-run" in again["command"]
+    with pytest.raises(ValueError, match="is not the result of"):
+        goodput.main(**arguments, from_run=str(tmp_path / "nothing"), out=str(tmp_path / "again"))
