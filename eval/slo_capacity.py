@@ -23,11 +23,10 @@ what 600 do). The simulator therefore searches twice: its own long traces (the s
 and the engine's very traces (``engine_requests`` requests, same seed), which is the figure the
 engine is compared with; each engine probe also records the simulator's attainment on its trace.
 
-A simulator is as good as its step cost model, and a served engine's steps take longer the
-more requests a second its API server and load generator handle beside it on the same cores.
-:func:`recalibrate` therefore also runs the simulator with a cost model fitted on the steps the
-engine itself ran in the probes of the *other* workloads (leave one workload out: no step of the
-workload it predicts).
+A simulator is as good as its step cost model, and the served profile's model is fitted under
+one bursty load, not the loads a search probes. :func:`recalibrate` therefore also runs the
+simulator, for each policy, with a cost model fitted on the steps the engine ran in the *other*
+policies' probes of the same workload (leave one policy out: no step of the policy it predicts).
 
 ``preft eval goodput --capacity`` runs both (:mod:`preft.eval.goodput`).
 """
@@ -133,39 +132,45 @@ def probe_steps(run_dir: Path, row: dict[str, Any], rate: float) -> list[dict[st
 
 
 def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
-    """For each engine workload (two or more): a cost model fitted on the engine's steps in the
-    other workloads' probes, and with it the simulator's capacity on the engine's traces and its
-    attainment at every engine probe, in ``row["recalibrated"]`` (and ``..._search``,
-    ``probe["recalibrated_attainment"]``); the models in ``result["recalibrated_cost_models"]``."""
+    """For each engine search (of two or more policies on its workload): a cost model fitted on
+    the engine's steps in the other policies' probes of that workload and round, and with it the
+    simulator's capacity on the engine's traces and its attainment at every engine probe, in
+    ``row["recalibrated"]`` (and ``..._search``, ``probe["recalibrated_attainment"]``); each
+    model's weights in ``row["recalibrated_cost_model"]``. Without the run's step logs: nothing,
+    and a line that says so."""
     import statistics
 
     from preft.serving.scheduling.cost_model import StepCostModel
 
     rows = [r for r in result["rows"] if r.get("served_search")]
-    kinds = list(dict.fromkeys(r["workload"] for r in rows))
-    if len(kinds) < 2:
-        return
-    models = result["recalibrated_cost_models"] = {}
-    for kind in kinds:
-        steps = [step for r in rows if r["workload"] != kind for probe in r["served_search"]["probes"]
-                 for step in probe_steps(run_dir, r, probe["rate"])]
+    for row in rows:
+        others = [r for r in rows if (r["workload"], r["round"]) == (row["workload"], row["round"])
+                  and r["policy"] != row["policy"]]
+        if not others:
+            continue
+        try:
+            steps = [step for r in others for probe in r["served_search"]["probes"]
+                     for step in probe_steps(run_dir, r, probe["rate"])]
+        except FileNotFoundError as err:  # a report without it beats no report after an hour of probes
+            print(f"[capacity] not recalibrated: {err}", flush=True)
+            return
         gaps = [step["gap_s"] for step in steps if step.get("gap_s") is not None]
         model = StepCostModel.fit([(step["n"], step["c"], step["x"]) for step in steps],
                                   [step["seconds"] for step in steps],
-                                  source="the engine's steps in the other workloads' probes",
+                                  source="the engine's steps in the other policies' probes",
                                   meta={"gap_s": statistics.median(gaps) if gaps else 0.0, "steps": len(steps),
-                                        "fitted_on": [k for k in kinds if k != kind]})
-        models[kind] = model.to_json()
-        for row in (r for r in rows if r["workload"] == kind):
-            tpot_s, ttft_s, seed = row["tpot_ms"] / 1e3, row["ttft_ms"] / 1e3, 100 + row["round"]
-            start = row.get("simulated_engine_trace") or row["simulated"]
-            found = simulated(model, row["policy"], kind, settings, tpot_s, ttft_s, start, seed,
-                              requests=settings["engine_requests"])
-            row.update(recalibrated=found["capacity"], recalibrated_search=found)
-            for probe in row["served_search"]["probes"]:
-                probe["recalibrated_attainment"] = simulated_attainment(
-                    model, row["policy"], kind, settings, tpot_s, ttft_s, probe["rate"], seed, settings["engine_requests"])
-        print(f"[capacity] recalibrated on {len(steps)} engine steps of the other workloads: {kind} resimulated",
+                                        "fitted_on": sorted({r["policy"] for r in others})})
+        tpot_s, ttft_s, seed = row["tpot_ms"] / 1e3, row["ttft_ms"] / 1e3, 100 + row["round"]
+        found = simulated(model, row["policy"], row["workload"], settings, tpot_s, ttft_s,
+                          row.get("simulated_engine_trace") or row["simulated"], seed,
+                          requests=settings["engine_requests"])
+        row.update(recalibrated=found["capacity"], recalibrated_search=found, recalibrated_cost_model=model.to_json())
+        for probe in row["served_search"]["probes"]:
+            probe["recalibrated_attainment"] = simulated_attainment(
+                model, row["policy"], row["workload"], settings, tpot_s, ttft_s, probe["rate"], seed,
+                settings["engine_requests"])
+        print(f"[capacity] {row['workload']}, TPOT {row['tpot_ms']:.1f} ms, {row['policy']}: recalibrated on "
+              f"{len(steps)} engine steps of {', '.join(model.meta['fitted_on'])}: {found['capacity']:.2f} req/s",
               flush=True)
 
 
@@ -284,7 +289,7 @@ def brackets_table(result: dict[str, Any]) -> str:
 
 
 WHERE = {"simulated": "simulator", "simulated_engine_trace": "simulator, the engine's traces",
-         "recalibrated": "simulator, the engine's traces, recalibrated on the other workloads' engine steps",
+         "recalibrated": "simulator, the engine's traces, recalibrated on the other policies' engine steps",
          "served": "engine"}
 
 
@@ -305,9 +310,10 @@ def table(result: dict[str, Any]) -> str:
 
 def fidelity(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Per (workload, target, policy) run on the engine: the simulator's capacity on the engine's
-    traces over the engine's (median over rounds), whether the simulator's capacity lies in the
-    engine's bracket ``[met, missed)``, the median gap in attainment between the two at the
-    engine's probe rates, and whether the policies rank the same in both."""
+    traces over the engine's (median over rounds), how far it lies outside the engine search's
+    bracket ``[met, missed)`` (:func:`bracket_gap`), the median gap in attainment between the two
+    at the engine's probe rates, and whether the policies rank the same in both; the same for
+    the recalibrated simulator where it ran."""
     import statistics
 
     out = []
@@ -321,14 +327,14 @@ def fidelity(result: dict[str, Any]) -> list[dict[str, Any]]:
             by_policy[policy] = {
                 "served": statistics.median(r["served"] for r in mine),
                 "simulated": statistics.median(r["simulated_engine_trace"] for r in mine),
-                "in_bracket": sum(in_bracket(r["simulated_engine_trace"], r["served_search"]["bracket"])
-                                  for r in mine) / len(mine),
+                "bracket_gap": statistics.median(bracket_gap(r["simulated_engine_trace"], r["served_search"]["bracket"])
+                                                 for r in mine),
                 "attainment_gap": statistics.median(abs(p["simulated_attainment"] - p["attainment"]) for p in probes)}
             if all(r.get("recalibrated") is not None for r in mine):
                 by_policy[policy]["recalibrated"] = {
                     "simulated": statistics.median(r["recalibrated"] for r in mine),
-                    "in_bracket": sum(in_bracket(r["recalibrated"], r["served_search"]["bracket"])
-                                      for r in mine) / len(mine),
+                    "bracket_gap": statistics.median(bracket_gap(r["recalibrated"], r["served_search"]["bracket"])
+                                                     for r in mine),
                     "attainment_gap": statistics.median(abs(p["recalibrated_attainment"] - p["attainment"])
                                                         for p in probes)}
         rank = lambda value: sorted(by_policy, key=lambda p: -value(by_policy[p]))  # noqa: E731
@@ -344,10 +350,16 @@ def fidelity(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def in_bracket(rate: float, bracket: list) -> bool:
-    """Whether ``rate`` lies in an engine search's ``[met, missed)`` (``missed`` None: no probe missed)."""
+def bracket_gap(rate: float, bracket: list) -> float:
+    """How far ``rate`` lies outside an engine search's ``[met, missed)``, relative to the nearer
+    end: 0 inside it (the engine's capacity is somewhere in it; ``missed`` None: no probe missed),
+    ``rate / met - 1`` below it, ``rate / missed - 1`` above it."""
     low, high = bracket
-    return low <= rate and (high is None or rate < high)
+    if rate < low:
+        return rate / low - 1
+    if high is not None and rate >= high:
+        return rate / high - 1
+    return 0.0
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -153,11 +153,12 @@ def test_the_engine_is_compared_with_the_simulator_on_the_engine_s_own_traces(tm
             r["simulated_engine_trace"] for r in rows if r["policy"] == policy)
     assert result["cost_model_weights"]["weights"] == cost_model.weights
     markdown = (tmp_path / "goodput" / "goodput_capacity.md").read_text()
-    assert "| mixed | 4 | fixed:16 " in markdown and "0 pts" in markdown
+    assert "| mixed | 4 | profiled | fixed:16 " in markdown and "0 pts" in markdown
     assert "simulator, the engine's traces" in markdown
 
 
-def test_recalibrating_on_the_engine_s_steps_of_other_workloads_recovers_the_engine_s_step_cost(tmp_path, monkeypatch):
+def test_recalibrating_on_the_engine_s_steps_of_the_other_policies_recovers_the_engine_s_step_cost(tmp_path,
+                                                                                                   monkeypatch):
     import json as json_module
 
     from preft.eval import goodput
@@ -182,28 +183,28 @@ def test_recalibrating_on_the_engine_s_steps_of_other_workloads_recovers_the_eng
 
     monkeypatch.setattr(slo_capacity, "served", served)
     cost = synthetic.save(tmp_path / "cost.json")
-    arguments = dict(model="default", cost_model=str(cost), workloads="mixed,long", policies="fixed:16,fixed:256",
+    arguments = dict(model="default", cost_model=str(cost), workloads="mixed", policies="fixed:16,fixed:256",
                      tpot_scales="4", capacity=True, capacity_requests=100, engine_requests=40,
-                     engine_policies="fixed:16,fixed:256", engine_workload="mixed,long", engine_rounds=1,
+                     engine_policies="fixed:16,fixed:256", engine_workload="mixed", engine_rounds=1,
                      capacity_probes=4)
     result = goodput.main(**arguments, out=str(tmp_path / "run"))
-    models = result["capacity"]["recalibrated_cost_models"]
-    assert models["mixed"]["fitted_on"] == ["long"] and models["long"]["fitted_on"] == ["mixed"]
     logs = tmp_path / "run" / "goodput" / "capacity"
-    for kind, other in (("mixed", "long"), ("long", "mixed")):  # leave one workload out: the other's steps
-        lines = sum(len(path.read_text().splitlines()) for path in logs.glob(f"steps-{other}-*.jsonl"))
-        assert models[kind]["steps"] == lines
-    for model in models.values():  # fitted on the other workload's steps alone, it finds the engine's cost
-        fitted = StepCostModel(model["weights"])
+    for row in result["capacity"]["rows"]:
+        model = row["recalibrated_cost_model"]
+        other = "fixed:256" if row["policy"] == "fixed:16" else "fixed:16"
+        assert model["fitted_on"] == [other]  # leave one policy out: the other's steps alone
+        assert model["steps"] == sum(len(path.read_text().splitlines())
+                                     for path in logs.glob(f"steps-mixed-*-{other.replace(':', '')}-*.jsonl"))
+        fitted = StepCostModel(model["weights"])  # and from them alone it finds the engine's cost
         assert all(abs(fitted(n, c, x) - engine_cost(n, c, x)) < 1e-3 * engine_cost(n, c, x)
                    for n, c, x in [(0, 64, 0), (8, 0, 900), (16, 200, 3000)])
-    for entry in result["fidelity"]:
-        for policy, values in entry["policies"].items():  # the engine's 4 probes bracket its capacity coarsely
-            assert values["recalibrated"]["attainment_gap"] <= 0.01 and values["recalibrated"]["in_bracket"] == 1.0
-            # the profiled model is slower than the engine: the simulator underestimates its capacity
-            assert values["attainment_gap"] > 0.1 and values["in_bracket"] == 0.0 and entry["gap"][policy] < 0
+    (entry,) = result["fidelity"]
+    for policy, values in entry["policies"].items():  # the engine's 4 probes bracket its capacity coarsely
+        assert values["recalibrated"]["attainment_gap"] <= 0.01 and values["recalibrated"]["bracket_gap"] == 0
+        # the profiled model is slower than the engine: the simulator underestimates its capacity
+        assert values["attainment_gap"] > 0.1 and values["bracket_gap"] < 0 and entry["gap"][policy] < 0
     markdown = (tmp_path / "run" / "goodput" / "goodput_capacity.md").read_text()
-    assert "| mixed, recalibrated | 4 |" in markdown and "for long: " in markdown
+    assert "| mixed | 4 | recalibrated | fixed:16 " in markdown and ", in, 0 pts" in markdown
 
     # the report made again from the run's files alone, serving nothing
     monkeypatch.setattr(slo_capacity, "served", None)
@@ -211,3 +212,9 @@ def test_recalibrating_on_the_engine_s_steps_of_other_workloads_recovers_the_eng
     assert again["fidelity"] == result["fidelity"] and "--from-run" in again["command"]
     with pytest.raises(ValueError, match="is not the result of"):
         goodput.main(**arguments, from_run=str(tmp_path / "nothing"), out=str(tmp_path / "again"))
+
+
+def test_a_rate_outside_the_engine_s_bracket_is_measured_from_its_nearer_end():
+    assert slo_capacity.bracket_gap(3.0, [2.0, 4.0]) == 0.0 and slo_capacity.bracket_gap(9.0, [2.0, None]) == 0.0
+    assert slo_capacity.bracket_gap(1.5, [2.0, 4.0]) == pytest.approx(-0.25)
+    assert slo_capacity.bracket_gap(4.4, [2.0, 4.0]) == pytest.approx(0.10)
