@@ -131,6 +131,33 @@ def probe_steps(run_dir: Path, row: dict[str, Any], rate: float) -> list[dict[st
     return [step for step in steps if step["seconds"] > 0 and (step["n"] or step["c"])]
 
 
+def summarize(rows: list[dict[str, Any]], settings: dict, rounds: int) -> list[dict[str, Any]]:
+    """Per workload, TPOT target and source (simulator, on the engine's traces, recalibrated,
+    engine): each policy's capacity, median and range over rounds, and SLOWeave's over the best
+    fixed chunk's, per round."""
+    import statistics
+
+    summary = []
+    for kind in settings["workloads"]:
+        for tpot_scale in settings["tpot_scales"]:
+            here = [r for r in rows if r["workload"] == kind and r["tpot_scale"] == tpot_scale]
+            for source in ("simulated", "simulated_engine_trace", "recalibrated", "served"):
+                per_round = [{r["policy"]: r[source] for r in here if r["round"] == i and r.get(source) is not None}
+                             for i in range(rounds)]
+                if not any(per_round):
+                    continue
+                ratios = [ratio for ratio in map(best_fixed_ratio, per_round) if ratio is not None]
+                entry = {"workload": kind, "tpot_scale": tpot_scale, "tpot_ms": here[0]["tpot_ms"],
+                         "ttft_ms": here[0]["ttft_ms"], "source": source, "policies": {},
+                         "sloweave_vs_best_fixed": statistics.median(ratios) if ratios else None,
+                         "sloweave_vs_best_fixed_range": [min(ratios), max(ratios)] if ratios else None}
+                for policy in dict.fromkeys(r["policy"] for r in here if r.get(source) is not None):
+                    values = [c[policy] for c in per_round if policy in c]
+                    entry["policies"][policy] = {"median": statistics.median(values), "range": [min(values), max(values)]}
+                summary.append(entry)
+    return summary
+
+
 def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
     """For each engine search (of two or more policies on its workload): a cost model fitted on
     the engine's steps in the other policies' probes of that workload and round, and with it the
@@ -172,6 +199,7 @@ def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
         print(f"[capacity] {row['workload']}, TPOT {row['tpot_ms']:.1f} ms, {row['policy']}: recalibrated on "
               f"{len(steps)} engine steps of {', '.join(model.meta['fitted_on'])}: {found['capacity']:.2f} req/s",
               flush=True)
+    result["summary"] = summarize(result["rows"], settings, result["rounds"])
 
 
 def policy_args(policy: str, tpot_s: float) -> list[str]:
@@ -190,8 +218,6 @@ def best_fixed_ratio(capacities: dict[str, float]) -> float | None:
 def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]:
     """Every simulator policy on every workload and TPOT target, and every engine policy on the
     engine workloads at the engine's TPOT targets, ``rounds`` rounds (a new trace seed each)."""
-    import statistics
-
     from preft.eval.common import capacity as throughput_capacity
     from preft.eval.goodput import targets
 
@@ -231,25 +257,7 @@ def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]
                         row.update(served=engine["capacity"], served_search=engine,
                                    simulated_engine_trace=short["capacity"], simulated_engine_trace_search=short)
                     rows.append(row)
-    summary = []
-    for kind in settings["workloads"]:
-        for tpot_scale in settings["tpot_scales"]:
-            here = [r for r in rows if r["workload"] == kind and r["tpot_scale"] == tpot_scale]
-            for source in ("simulated", "simulated_engine_trace", "recalibrated", "served"):
-                per_round = [{r["policy"]: r[source] for r in here if r["round"] == i and r.get(source) is not None}
-                             for i in range(rounds)]
-                if not any(per_round):
-                    continue
-                ratios = [ratio for ratio in map(best_fixed_ratio, per_round) if ratio is not None]
-                entry = {"workload": kind, "tpot_scale": tpot_scale, "tpot_ms": here[0]["tpot_ms"],
-                         "ttft_ms": here[0]["ttft_ms"], "source": source, "policies": {},
-                         "sloweave_vs_best_fixed": statistics.median(ratios) if ratios else None,
-                         "sloweave_vs_best_fixed_range": [min(ratios), max(ratios)] if ratios else None}
-                for policy in dict.fromkeys(r["policy"] for r in here if r.get(source) is not None):
-                    values = [c[policy] for c in per_round if policy in c]
-                    entry["policies"][policy] = {"median": statistics.median(values), "range": [min(values), max(values)]}
-                summary.append(entry)
-    return {"rounds": rounds, "rows": rows, "summary": summary}
+    return {"rounds": rounds, "rows": rows, "summary": summarize(rows, settings, rounds)}
 
 
 def resolved(first: list, second: list) -> bool:
@@ -382,6 +390,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
             bar = entries["served" if engine_here else "simulated"]["policies"][policy]
             if engine_here:
                 ax.plot(index, entries["simulated_engine_trace"]["policies"][policy]["median"], "k_", markersize=14)
+                recalibrated = entries.get("recalibrated", {}).get("policies", {}).get(policy)
+                if recalibrated:
+                    ax.plot(index, recalibrated["median"], "rx", markersize=8)
             if bar:
                 ax.bar(index, bar["median"], 0.6, yerr=[[bar["median"] - bar["range"][0]],
                                                         [bar["range"][1] - bar["median"]]], capsize=3,
@@ -390,8 +401,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{kind}, TPOT {tpot_ms:.0f} ms", fontsize=9)
         ax.set_ylabel("SLO capacity (req/s)", fontsize=8)
         ax.set_ylim(bottom=0)
-    where = ("bars: engine, or the simulator where no engine ran; -: simulator on the engine's traces" if served
-             else "simulator, no engine runs")
+    where = ("bars: engine, or the simulator where no engine ran; -: simulator on the engine's traces, "
+             "x: recalibrated on the other policies' engine steps" if served else "simulator, no engine runs")
     fig.suptitle(f"highest rate with >= {ATTAINMENT:.0%} of requests within both targets\n"
                  f"({where}; median and range over rounds)", fontsize=9)
     fig.tight_layout()

@@ -10,7 +10,8 @@
    buffers for one run of equal LoRA ids per request; keyed on position, a request can have
    three (before ``adapter_start``, the adapter's span, after ``P``).
 3. CPU only: the punica ops -> :mod:`preft.serving.lora_ops` (vLLM's CPU ops give "no adapter"
-   rows the last adapter), unless ``PREFT_STOCK_LORA_OPS=1``. On CUDA vLLM's Triton kernels
+   rows the last adapter), and the logits layer's op skipped where its slots are zero
+   (:func:`~preft.serving.lora_ops.skip_zero_logits`), unless ``PREFT_STOCK_LORA_OPS=1``. On CUDA vLLM's Triton kernels
    already skip those rows and stay.
 4. The model runners: ``load_model`` also hooks the decoder layers for ReFT-P; ``execute_model``
    starts a step context (:mod:`preft.serving.step_context`), ``_prepare_inputs`` fills it (the
@@ -354,6 +355,7 @@ def patch() -> None:
             setattr(punica_cpu, name, getattr(lora_ops, name))
         require(punica_cpu.PunicaWrapperCPU, "add_lora_linear")
         punica_cpu.PunicaWrapperCPU.add_lora_linear = lora_ops.add_lora_linear
+        wrap(punica_cpu.PunicaWrapperCPU, "add_lora_logits")(lora_ops.skip_zero_logits)
 
     runners = [GPUModelRunner]
     if current_platform.is_cpu():

@@ -281,3 +281,34 @@ def test_a_lora_vllm_pinned_is_kept_as_it_is():
     weights = LoRALayerWeights("q_proj", 4, 8, pinned_a, pinned_b)
     resident_lora(SimpleNamespace(loras={"q_proj": weights}))
     assert weights.lora_a is pinned_a and weights.lora_b is pinned_b
+
+
+def test_the_logits_op_is_skipped_only_where_every_sampled_slot_is_zero():
+    torch.manual_seed(0)
+    slots, vocab, rank, hidden = 3, 11, 4, 6
+    lora_a, lora_b = torch.zeros(slots, 1, rank, hidden), torch.zeros(slots, 1, vocab, rank)
+    calls = []
+
+    def vllm_op(wrapper, y, x, a, b, scale):
+        calls.append(wrapper.sampler_indices.tolist())
+        for row, slot in enumerate(wrapper.sampler_indices[: x.shape[0]].tolist()):
+            if slot >= 0:
+                y[row] += scale * (x[row] @ a[slot, 0].T) @ b[slot, 0].T
+
+    def logits(indices):
+        wrapper = SimpleNamespace(sampler_indices=torch.tensor(indices))
+        x, y = torch.randn(4, hidden), torch.randn(4, vocab)
+        before = y.clone()
+        lora_ops.skip_zero_logits(vllm_op, wrapper, y, x, lora_a, lora_b, 1.0)
+        return not torch.equal(y, before)
+
+    assert not logits([0, -1, 2, 2]) and calls == []  # every slot zero: nothing to add
+    lora_a[2, 0].copy_(torch.randn(rank, hidden))  # vLLM writes an adapter with lm_head weights into slot 2
+    lora_b[2, 0].copy_(torch.randn(vocab, rank))
+    assert logits([0, -1, 2, 2]) and len(calls) == 1
+    assert not logits([0, 1, -1, 0]) and len(calls) == 1  # slot 2 not sampled
+    lora_a[2].zero_(), lora_b[2].zero_()  # and zeroed again when another adapter takes the slot
+    assert not logits([2, 2, 2, 2]) and len(calls) == 1
+    lora_b[1, 0, 0, 0] = float("nan")  # NaN is not zero: the op runs and shows it
+    logits([1, -1, -1, -1])
+    assert len(calls) == 2
