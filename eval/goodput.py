@@ -575,7 +575,7 @@ def capacity_report_again(run: str, values: dict, goodput_dir: Path, started: fl
     nothing is served."""
     from preft.eval import slo_capacity
     from preft.eval.results import command_line
-    from preft.serving.scheduling.cost_model import FEATURES, StepCostModel
+    from preft.serving.scheduling.cost_model import StepCostModel
 
     source = Path(run) / "goodput" / "goodput_capacity.json"
     try:
@@ -583,19 +583,12 @@ def capacity_report_again(run: str, values: dict, goodput_dir: Path, started: fl
         found, settings = previous["capacity"], previous["settings"]
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"--from-run: {source} is not the result of `preft eval goodput --capacity` ({err})") from None
-    if "cost_model_weights" in previous:
-        weights = previous["cost_model_weights"]
-        model_cost = StepCostModel(weights["weights"], weights.get("source", "fitted"),
-                                   {k: v for k, v in weights.items() if k not in ("formula", "features", "weights",
-                                                                                  "source")})
-        assert weights["features"] == list(FEATURES)
-    else:
-        model_cost = StepCostModel.load(previous["cost_model"])
+    model_cost = (StepCostModel.from_json(previous["cost_model_weights"], f"{source}'s cost_model_weights")
+                  if "cost_model_weights" in previous else StepCostModel.load(previous["cost_model"]))
     slo_capacity.recalibrate(found, settings, source.parent / "capacity")
     command = command_line("goodput", main, values, always=("model",))
-    result = capacity_report(found, settings, f"{previous['command']}`, then `{command}", previous["model"],
-                             previous["cost_model"], model_cost, goodput_dir, started)
-    return result
+    return capacity_report(found, settings, f"{previous['command']}`, then `{command}", previous["model"],
+                           previous["cost_model"], model_cost, goodput_dir, started)
 
 
 def capacity_report(found: dict, settings: dict, command: str, model: str, cost_model: str, model_cost,
@@ -634,11 +627,13 @@ def capacity_report(found: dict, settings: dict, command: str, model: str, cost_
                      "| workload | TPOT scale | simulator | policy: simulator / engine (gap), outside the bracket, "
                      "attainment gap | same ranking |", "|---|---|---|---|---|"]
 
+        def percent(value) -> str:
+            return "-" if value is None else f"{100 * value:+.0f}%"
+
         def cells(policies: dict, gap: dict) -> str:
-            return "; ".join(
-                f"{p} {v['simulated']:.2f} / {served[p]:.2f} ({'-' if gap[p] is None else format(100 * gap[p], '+.0f') + '%'}), "
-                f"{'in' if v['bracket_gap'] == 0 else format(100 * v['bracket_gap'], '+.0f') + '%'}, "
-                f"{100 * v['attainment_gap']:.0f} pts" for p, v in policies.items())
+            return "; ".join(f"{p} {v['simulated']:.2f} / {served[p]:.2f} ({percent(gap[p])}), "
+                             f"{'in' if v['bracket_gap'] == 0 else percent(v['bracket_gap'])}, "
+                             f"{100 * v['attainment_gap']:.0f} pts" for p, v in policies.items())
 
         for entry in fidelity_rows:
             served = {p: v["served"] for p, v in entry["policies"].items()}

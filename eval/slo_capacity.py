@@ -153,7 +153,8 @@ def summarize(rows: list[dict[str, Any]], settings: dict, rounds: int) -> list[d
                          "sloweave_vs_best_fixed_range": [min(ratios), max(ratios)] if ratios else None}
                 for policy in dict.fromkeys(r["policy"] for r in here if r.get(source) is not None):
                     values = [c[policy] for c in per_round if policy in c]
-                    entry["policies"][policy] = {"median": statistics.median(values), "range": [min(values), max(values)]}
+                    entry["policies"][policy] = {"median": statistics.median(values),
+                                                 "range": [min(values), max(values)]}
                 summary.append(entry)
     return summary
 
@@ -170,6 +171,14 @@ def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
     from preft.serving.scheduling.cost_model import StepCostModel
 
     rows = [r for r in result["rows"] if r.get("served_search")]
+    logs: dict[tuple, list[dict[str, Any]]] = {}  # each probe's log is read once, used by the other policies
+
+    def steps_of(row: dict[str, Any], rate: float) -> list[dict[str, Any]]:
+        key = (row["workload"], row["tpot_scale"], row["round"], row["policy"], rate)
+        if key not in logs:
+            logs[key] = probe_steps(run_dir, row, rate)
+        return logs[key]
+
     for row in rows:
         others = [r for r in rows if (r["workload"], r["round"]) == (row["workload"], row["round"])
                   and r["policy"] != row["policy"]]
@@ -177,7 +186,7 @@ def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
             continue
         try:
             steps = [step for r in others for probe in r["served_search"]["probes"]
-                     for step in probe_steps(run_dir, r, probe["rate"])]
+                     for step in steps_of(r, probe["rate"])]
         except FileNotFoundError as err:  # a report without it beats no report after an hour of probes
             print(f"[capacity] not recalibrated: {err}", flush=True)
             return

@@ -13,8 +13,8 @@ shrink shared by the layer's slices (q/k/v, gate/up), one ``bmm`` expand per sli
 gather of its result back into row order (the rows from the first with an adapter to the
 last: a prefill step's many decode rows are not touched), whatever the number of adapters in
 the step. The logits layer's op (:func:`skip_zero_logits`) is skipped when no row's slot holds
-``lm_head`` weights (PEFT's ``all-linear`` leaves it out). Rows with ``-1`` are never computed with adapter weights and get exact zeros added
-(or written, where an op overwrites its output): no 0/1 mask multiplies them, so one adapter's
+``lm_head`` weights (PEFT's ``all-linear`` leaves it out). Rows with ``-1`` are never computed
+with adapter weights and get exact zeros added (or written, where an op overwrites its output): no 0/1 mask multiplies them, so one adapter's
 NaN or inf cannot reach another request's rows. A step whose rows all use one slot runs plain
 matmuls over its adapter rows. The plan depends
 only on the step's per-token slots, so the worker builds it once per step into the step
@@ -266,9 +266,10 @@ ZERO_SLOTS = ZeroSlots()
 def skip_zero_logits(original, self, y, x, lora_a_stacked, lora_b_stacked, scale, *args, **kwargs):
     """``PunicaWrapperCPU.add_lora_logits`` (vLLM's, as ``original``), skipped when every sampled
     row's slot holds zeros in both the ``lm_head`` A and B, where it would add exact zeros: an
-    adapter without ``lm_head`` weights (PEFT's ``all-linear`` leaves it out) gets a zeroed slot. With many
-    users every prefill step samples rows of up to 8 adapters, and the op gathered each one's
-    ``[vocab, rank]`` B (12.6 MB a step on a 49k vocabulary at rank 8) to add nothing."""
+    adapter without ``lm_head`` weights (PEFT's ``all-linear`` leaves it out) gets a zeroed
+    slot. With many users every prefill step samples rows of up to 8 adapters, and the op
+    gathered each one's ``[vocab, rank]`` B (12.6 MB a step on a 49k vocabulary at rank 8) to
+    add nothing."""
     plan = build_tile_plan(self.sampler_indices[: x.view(-1, x.shape[-1]).shape[0]])
     if plan is None or not plan.slots & (ZERO_SLOTS.nonzero(lora_a_stacked) | ZERO_SLOTS.nonzero(lora_b_stacked)):
         return None

@@ -11,8 +11,8 @@
    three (before ``adapter_start``, the adapter's span, after ``P``).
 3. CPU only: the punica ops -> :mod:`preft.serving.lora_ops` (vLLM's CPU ops give "no adapter"
    rows the last adapter), and the logits layer's op skipped where its slots are zero
-   (:func:`~preft.serving.lora_ops.skip_zero_logits`), unless ``PREFT_STOCK_LORA_OPS=1``. On CUDA vLLM's Triton kernels
-   already skip those rows and stay.
+   (:func:`~preft.serving.lora_ops.skip_zero_logits`), unless ``PREFT_STOCK_LORA_OPS=1``. On
+   CUDA vLLM's Triton kernels already skip those rows and stay.
 4. The model runners: ``load_model`` also hooks the decoder layers for ReFT-P; ``execute_model``
    starts a step context (:mod:`preft.serving.step_context`), ``_prepare_inputs`` fills it (the
    step's LoRA and ReFT tile plans), and the call that makes the step's output

@@ -116,8 +116,13 @@ class StepCostModel:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot read the step cost model {path}: {err}") from None
+        return cls.from_json(data, str(path))
+
+    @classmethod
+    def from_json(cls, data, where: str = "the data") -> StepCostModel:
+        """The model :meth:`to_json` wrote (``where`` names it in the error if it is not one)."""
         if not isinstance(data, dict) or data.get("features") != list(FEATURES) or "weights" not in data:
-            raise ValueError(f"{path} is not a step cost model from `preft eval profile` "
+            raise ValueError(f"{where} is not a step cost model from `preft eval profile` "
                              f"(expected features {list(FEATURES)})")
         meta = {k: v for k, v in data.items() if k not in ("formula", "features", "weights", "source")}
         return cls([float(w) for w in data["weights"]], source=data.get("source", "fitted"), meta=meta)
