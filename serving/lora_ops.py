@@ -132,6 +132,9 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
                 y[:, offset: offset + size].index_add_(0, plan.rows, torch.mm(part, b))
             offset += size
         return
+    if plan.block_slots is not None and y.dtype == x.dtype:
+        _lora_linear_in_blocks(y, x, plan, weights, scale)
+        return
     space = workspace or Workspace()
     num_tiles, tile_rows, size_in = plan.num_real_tiles, plan.tile_rows, x.shape[-1]
     width, (first, end) = weights.a.shape[1], plan.span
@@ -149,6 +152,25 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
         rows = torch.index_select(expanded.view(-1, size), 0, plan.untile[first:end],
                                   out=space.get("rows", end - first, size, like=x))
         y[first:end, offset: offset + size].add_(rows.to(y.dtype))
+        offset += size
+
+
+def _lora_linear_in_blocks(y, x, plan: TilePlan, weights: PlannedLoraWeights, scale: float) -> None:
+    """:func:`planned_lora_linear` where the rows with an adapter are the plan's span, in blocks
+    of ``tile_rows`` rows of one slot each (:attr:`TilePlan.block_slots`): the span's rows are
+    read and written where they lie, as ``[blocks, tile_rows, ...]`` views, and the weights are
+    taken in block order instead, so no row is gathered, no result is read back through a
+    padded tile, and each slice's expand adds into ``y`` in the same op (``baddbmm_``)."""
+    first, end = plan.span
+    blocks, tile_rows, rank = plan.block_slots.numel(), plan.tile_rows, weights.rank
+    span_rows = x[first:end].view(blocks, tile_rows, x.shape[-1])
+    shrunk = torch.bmm(span_rows, plan.block_weights(weights.a).float().transpose(1, 2))
+    offset = 0
+    for j, b in enumerate(weights.b):
+        size = b.shape[1]
+        target = y[first:end, offset: offset + size].view(blocks, tile_rows, size)
+        target.baddbmm_(shrunk[..., j * rank: (j + 1) * rank], plan.block_weights(b).float().transpose(1, 2),
+                        alpha=scale)
         offset += size
 
 
@@ -274,3 +296,16 @@ def skip_zero_logits(original, self, y, x, lora_a_stacked, lora_b_stacked, scale
     if plan is None or not plan.slots & (ZERO_SLOTS.nonzero(lora_a_stacked) | ZERO_SLOTS.nonzero(lora_b_stacked)):
         return None
     return original(self, y, x, lora_a_stacked, lora_b_stacked, scale, *args, **kwargs)
+
+
+def skip_zero_embeddings(original, self, y, x, lora_b_stacked, *args, **kwargs):
+    """``PunicaWrapperCPU.add_lora_embedding`` (vLLM's, as ``original``: ``y += x @ B`` per token
+    row, ``x`` the row's lookup in the slot's embedding A), skipped when no row of the step has
+    an adapter or every slot the step's rows use holds a zero ``B``, where it would add
+    ``x @ 0``. No PreFT adapter has embedding weights; the op built a plan and multiplied by
+    zeros in every step with an adapter row. The rows are the step's tokens, whose slots the
+    step's plan holds (:func:`preft.serving.worker.prepare_step`)."""
+    plan = get_step_context().lora_plan
+    if plan is None or not plan.slots & ZERO_SLOTS.nonzero(lora_b_stacked):
+        return None
+    return original(self, y, x, lora_b_stacked, *args, **kwargs)

@@ -62,6 +62,7 @@ from vllm.v1.request import RequestStatus
 from preft import envs
 from preft.constants import FAILED_REQUESTS_ATTR
 from preft.bundle import bundle_rule
+from preft.rule import AdapterRule
 from preft.serving.bundle_store import served_copy_problem
 from preft.serving.patching import require
 from preft.serving.prompt_end import rule_prompt_length
@@ -94,11 +95,20 @@ def _is_decode(request, num_computed_tokens: int) -> bool:
     return num_computed_tokens >= request.num_tokens - 1
 
 
+def _lora_rule(request) -> tuple[AdapterRule, int]:
+    """The rule of ``request``'s LoRA and its ``P``, read once per request: neither changes while
+    it lives, and with many users every step asks for every running request's."""
+    lora, known = request.lora_request, request.__dict__.get("_preft_lora_rule")
+    if known is None or known[0] is not lora:
+        known = request.__dict__["_preft_lora_rule"] = (lora, bundle_rule(lora.lora_path), _rule_prompt_length(request))
+    return known[1], known[2]
+
+
 def _decoding_without_adapter(request) -> bool:
-    lora = request.lora_request
-    if lora is None:
+    if request.lora_request is None:
         return False
-    return not bundle_rule(lora.lora_path).needs_adapter_from(request.num_computed_tokens, _rule_prompt_length(request))
+    rule, prompt_length = _lora_rule(request)
+    return not rule.needs_adapter_from(request.num_computed_tokens, prompt_length)
 
 
 def _rule_prompt_length(request) -> int:
@@ -263,8 +273,8 @@ class PreftScheduler(Scheduler):
             if request is None or request.lora_request is None:
                 continue
             first = request.num_computed_tokens - scheduled  # vLLM advanced it while scheduling
-            if bundle_rule(request.lora_request.lora_path).active_in(first, first + scheduled,
-                                                                     _rule_prompt_length(request)):
+            rule, prompt_length = _lora_rule(request)
+            if rule.active_in(first, first + scheduled, prompt_length):
                 active.add(request.lora_request.lora_int_id)
         return active
 

@@ -53,11 +53,19 @@ class TilePlan:
     span: tuple[int, int] = (0, 0)   # [first, last + 1) of the rows with an adapter (several slots)
     tile_rows: int = MAX_TILE_ROWS
     slot_run: tuple[int, int] | None = None  # [first, end) when the tiles are one per slot of this run
+    # set when the rows with an adapter are exactly ``span``, in blocks of ``tile_rows`` rows of one
+    # slot each (a prefill step of equal prompt chunks): the slot of each block, in row order
+    block_slots: torch.Tensor | None = None
 
     @property
     def num_real_tiles(self) -> int:
         """The tiles that hold rows with an adapter: all but the trailing one (several slots)."""
         return self.tile_slots.numel() - 1
+
+    def block_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """``weights[block_slots]`` (``weights`` ``[slots, ...]``): the weights of each block of
+        the span in row order (rows in blocks: :attr:`block_slots`)."""
+        return torch.index_select(weights, 0, self.block_slots)
 
     def tile_weights(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``weights[tile_slots]`` for the real tiles (``weights`` ``[slots, ...]``): a view of
@@ -149,8 +157,12 @@ def build_tile_plan(indices: torch.Tensor, tile_rows: int | None = None) -> Tile
     one_tile_each = tile_slots.numel() - 1 == len(slot_list)
     slot_run = (slot_list[0], slot_list[-1] + 1) if one_tile_each and slot_list[-1] - slot_list[0] == len(
         slot_list) - 1 else None
+    # rows in blocks: the span holds only rows with an adapter, each group one tile of consecutive rows
+    in_blocks = (span[1] - span[0] == rows.numel() and one_tile_each and bool((group_sizes == tile_rows).all())
+                 and bool((rows.view(-1, tile_rows)[:, -1] - rows.view(-1, tile_rows)[:, 0] == tile_rows - 1).all()))
+    block_slots = indices[span[0]: span[1]: tile_rows] if in_blocks else None
     return TilePlan(num_rows, None, rows, gather, tile_slots, untile, frozenset(slot_list),
-                    tile_rows=tile_rows, span=span, slot_run=slot_run)
+                    tile_rows=tile_rows, span=span, slot_run=slot_run, block_slots=block_slots)
 
 
 def _cheapest_tile_rows(group_sizes: torch.Tensor) -> int:

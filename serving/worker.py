@@ -10,8 +10,9 @@
    buffers for one run of equal LoRA ids per request; keyed on position, a request can have
    three (before ``adapter_start``, the adapter's span, after ``P``).
 3. CPU only: the punica ops -> :mod:`preft.serving.lora_ops` (vLLM's CPU ops give "no adapter"
-   rows the last adapter), and the logits layer's op skipped where its slots are zero
-   (:func:`~preft.serving.lora_ops.skip_zero_logits`), unless ``PREFT_STOCK_LORA_OPS=1``. On
+   rows the last adapter), and the logits and embedding layers' ops skipped where their slots
+   are zero (:func:`~preft.serving.lora_ops.skip_zero_logits`,
+   :func:`~preft.serving.lora_ops.skip_zero_embeddings`), unless ``PREFT_STOCK_LORA_OPS=1``. On
    CUDA vLLM's Triton kernels already skip those rows and stay.
 4. The model runners: ``load_model`` also hooks the decoder layers for ReFT-P; ``execute_model``
    starts a step context (:mod:`preft.serving.step_context`), ``_prepare_inputs`` fills it (the
@@ -58,8 +59,9 @@
     the base model's steps predict). Owned copies stay in memory; size the host cache to fit.
     Where vLLM pins a LoRA's tensors (a CUDA machine) they are copies already and are kept.
     Worth an upstream report: "the CPU LoRA host cache holds views of mmapped safetensors files".
-11. ``reset_lora`` / ``set_lora`` of the LoRA linear and logits layers: a slot is not zeroed when
-    it is zero already or the adapter being written fills it (:mod:`preft.serving.slot_zeroing`).
+11. ``reset_lora`` / ``set_lora`` of the LoRA linear, logits and embedding layers: a slot is not
+    zeroed when it is zero already or the adapter being written fills it, and a filling write to
+    a linear layer is its copies alone (:mod:`preft.serving.slot_zeroing`).
 """
 
 from __future__ import annotations
@@ -129,11 +131,21 @@ def make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens:
     whose rule cannot be read is left out (its requests fail, :func:`fail_requests_of_lora`)."""
     n = self.num_reqs
     rules, lora_ids = {}, np.array(self.request_lora_mapping[:n], dtype=np.int64)
+    # a LoRA's rule, once read, is kept with the batch for as long as its id names the same path:
+    # with many users the batch holds a few hundred LoRAs, and every step asks for all of them
+    known = self.__dict__.setdefault("_preft_lora_rules", {})
+    if len(known) > 2 * len(self.lora_id_to_lora_request) + 64:  # forget the LoRAs no longer in the batch
+        known = self.__dict__["_preft_lora_rules"] = {i: known[i] for i in self.lora_id_to_lora_request if i in known}
     for lora_id, request in self.lora_id_to_lora_request.items():
+        path_and_rule = known.get(lora_id)
+        if path_and_rule is not None and path_and_rule[0] == request.lora_path:
+            rules[lora_id] = path_and_rule[1]
+            continue
         try:
             if not is_store_copy(request.lora_path):
                 raise ValueError(NOT_SERVED)
             rules[lora_id] = bundle_rule(request.lora_path)
+            known[lora_id] = (request.lora_path, rules[lora_id])
         except Exception as err:  # noqa: BLE001 - the request fails, the step goes on
             fail_requests_of_lora(self, lora_id, f"LoRA {request.lora_name!r} cannot be read: {err}")
             lora_ids[lora_ids == lora_id] = 0
@@ -356,6 +368,7 @@ def patch() -> None:
         require(punica_cpu.PunicaWrapperCPU, "add_lora_linear")
         punica_cpu.PunicaWrapperCPU.add_lora_linear = lora_ops.add_lora_linear
         wrap(punica_cpu.PunicaWrapperCPU, "add_lora_logits")(lora_ops.skip_zero_logits)
+        wrap(punica_cpu.PunicaWrapperCPU, "add_lora_embedding")(lora_ops.skip_zero_embeddings)
 
     runners = [GPUModelRunner]
     if current_platform.is_cpu():

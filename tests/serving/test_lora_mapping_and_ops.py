@@ -103,8 +103,10 @@ def _per_row_lora_reference(y, x, indices, lora_a, lora_b, scale, slices):
     [0, 1, 2, 3] * 8,         # decode-like: one row per request, tiles of 1
     [-1] * 7 + [0, 0, 1, 1, 2, -1, 2] + [-1] * 5,  # prompt chunks with adapters among decode rows
     [-1, 3, 3, -1, 0, 0, 3, -1],  # one tile per slot, slots not a run: the weights are gathered
+    [-1] * 4 + [2] * 3 + [0] * 3 + [3] * 3 + [1] * 3 + [-1] * 3,  # equal prompt chunks in a span: rows in blocks
+    [0] * 5 + [1] * 5 + [-1],  # rows in blocks, their slots a run
 ], ids=["many-slots", "one-slot-all-rows", "one-slot-some-rows", "one-row-groups", "chunks-among-decodes",
-        "one-tile-per-slot-not-a-run"])
+        "one-tile-per-slot-not-a-run", "rows-in-blocks", "rows-in-blocks-slot-run"])
 def test_planned_lora_linear_matches_a_per_row_reference(indices):
     torch.manual_seed(0)
     indices = torch.tensor(indices)
@@ -118,6 +120,17 @@ def test_planned_lora_linear_matches_a_per_row_reference(indices):
     weights = lora_ops.PlannedLoraWeights(lora_a, lora_b, slices)
     lora_ops.planned_lora_linear(y, x, plan, weights, 0.5)
     assert torch.allclose(y, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("indices, blocks", [
+    ([-1, -1, 2, 2, 2, 0, 0, 0, -1], [2, 0]),  # equal chunks side by side: blocks in row order
+    ([-1, 2, 2, 2, -1, 0, 0, 0], None),          # a row without an adapter inside the span
+    ([2, 2, 2, 0, 0, -1], None),                 # chunks of different lengths
+    ([2, 2, 0, 0, 2, 2], None),                  # a slot's rows in two places
+])
+def test_rows_in_blocks_only_when_the_span_is_equal_chunks_of_one_slot_each(indices, blocks):
+    plan = build_tile_plan(torch.tensor(indices))
+    assert (None if plan.block_slots is None else plan.block_slots.tolist()) == blocks
 
 
 def test_planned_weights_follow_vllm_writing_an_adapter_into_a_slot():
@@ -281,6 +294,39 @@ def test_a_lora_vllm_pinned_is_kept_as_it_is():
     weights = LoRALayerWeights("q_proj", 4, 8, pinned_a, pinned_b)
     resident_lora(SimpleNamespace(loras={"q_proj": weights}))
     assert weights.lora_a is pinned_a and weights.lora_b is pinned_b
+
+
+def test_the_embedding_op_is_skipped_only_where_every_slot_of_the_step_has_a_zero_b():
+    from preft.serving.step_context import StepContext, reset_step_context, set_step_context
+
+    torch.manual_seed(0)
+    slots, hidden, rank = 3, 6, 4
+    lora_b = torch.zeros(slots, 1, hidden, rank)
+    calls = []
+
+    def vllm_op(wrapper, y, x, b, add_inputs=True):
+        calls.append(1)
+        for row, slot in enumerate(wrapper.token_lora_indices[: x.shape[0]].tolist()):
+            if slot >= 0:
+                y[row] += x[row] @ b[slot, 0].T
+
+    def embed(indices):
+        indices = torch.tensor(indices)
+        set_step_context(StepContext(lora_plan=build_tile_plan(indices)))
+        try:
+            wrapper = SimpleNamespace(token_lora_indices=indices)
+            x, y = torch.randn(4, rank), torch.randn(4, hidden)
+            before = y.clone()
+            lora_ops.skip_zero_embeddings(vllm_op, wrapper, y, x, lora_b, add_inputs=True)
+            return not torch.equal(y, before)
+        finally:
+            reset_step_context()
+
+    assert not embed([0, -1, 2, 2]) and calls == []  # every slot's B zero: x @ 0 adds nothing
+    lora_b[2, 0].copy_(torch.randn(hidden, rank))  # an adapter with embedding weights in slot 2
+    assert embed([0, -1, 2, 2]) and len(calls) == 1
+    assert not embed([0, 1, -1, 0]) and len(calls) == 1  # slot 2 not in the step
+    assert not embed([-1, -1, -1, -1]) and len(calls) == 1  # no adapter row
 
 
 def test_the_logits_op_is_skipped_only_where_every_sampled_slot_is_zero():
