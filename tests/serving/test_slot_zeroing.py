@@ -78,3 +78,18 @@ def test_a_reset_is_skipped_only_while_nothing_was_written_since_the_last_one():
     layer.lora_a_stacked[0][1, 0, 0, 0] = 5.0  # anyone's write is seen too
     layer.reset_lora(1)
     assert resets == [1, 1, 1, 1] and all(not t.any() for t in slot(layer, 1))
+
+
+def test_a_full_write_lands_in_the_stacks_after_the_planned_ops_reseat_them():
+    """The planned LoRA ops re-seat a merged layer's A stacks onto one joined tensor; slot views
+    kept from before that would write into the old memory, where no op reads."""
+    from preft.serving.lora_ops import PlannedLoraWeights
+
+    torch.manual_seed(0)
+    layer = merged_layer([])
+    layer.set_lora(0, *adapter(4))  # slot 0's views made on the stacks as vLLM allocated them
+    weights = PlannedLoraWeights(layer.lora_a_stacked, layer.lora_b_stacked, (5, 3))  # re-seats the A's
+    new_a, new_b = adapter(4)
+    layer.set_lora(0, new_a, new_b)
+    assert all(torch.equal(got, want) for got, want in zip(slot(layer, 0), new_a + new_b))
+    assert torch.equal(weights.a[0], torch.cat(new_a))  # what the ops read
