@@ -179,17 +179,19 @@ def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
             logs[key] = probe_steps(run_dir, row, rate)
         return logs[key]
 
+    fitting = []  # (row, the other policies' rows, their steps): every log read before any row changes
     for row in rows:
         others = [r for r in rows if (r["workload"], r["round"]) == (row["workload"], row["round"])
                   and r["policy"] != row["policy"]]
         if not others:
             continue
         try:
-            steps = [step for r in others for probe in r["served_search"]["probes"]
-                     for step in steps_of(r, probe["rate"])]
+            fitting.append((row, others, [step for r in others for probe in r["served_search"]["probes"]
+                                          for step in steps_of(r, probe["rate"])]))
         except FileNotFoundError as err:  # a report without it beats no report after an hour of probes
             print(f"[capacity] not recalibrated: {err}", flush=True)
             return
+    for row, others, steps in fitting:
         gaps = [step["gap_s"] for step in steps if step.get("gap_s") is not None]
         model = StepCostModel.fit([(step["n"], step["c"], step["x"]) for step in steps],
                                   [step["seconds"] for step in steps],

@@ -12,10 +12,13 @@ one per slot of a run of slots, else gathered), one ``bmm``
 shrink shared by the layer's slices (q/k/v, gate/up), one ``bmm`` expand per slice and one
 gather of its result back into row order (the rows from the first with an adapter to the
 last: a prefill step's many decode rows are not touched), whatever the number of adapters in
-the step. The logits layer's op (:func:`skip_zero_logits`) is skipped when no row's slot holds
-``lm_head`` weights (PEFT's ``all-linear`` leaves it out). Rows with ``-1`` are never computed
-with adapter weights and get exact zeros added (or written, where an op overwrites its output): no 0/1 mask multiplies them, so one adapter's
-NaN or inf cannot reach another request's rows. A step whose rows all use one slot runs plain
+the step; where the rows with an adapter are equal prompt chunks side by side (the plan's
+``block_slots``) they are read and written in place instead (:func:`_lora_linear_in_blocks`).
+The logits and embedding layers' ops (:func:`skip_zero_logits`, :func:`skip_zero_embeddings`)
+are skipped when no row's slot holds ``lm_head`` or embedding weights (PEFT's ``all-linear``
+leaves both out). Rows with ``-1`` are never computed with adapter weights and get exact zeros
+added (or written, where an op overwrites its output): no 0/1 mask multiplies them, so one
+adapter's NaN or inf cannot reach another request's rows. A step whose rows all use one slot runs plain
 matmuls over its adapter rows. The plan depends
 only on the step's per-token slots, so the worker builds it once per step into the step
 context (:mod:`preft.serving.step_context`) and every LoRA layer of the step reuses it
@@ -132,6 +135,8 @@ def planned_lora_linear(y, x, plan: TilePlan | None, weights: PlannedLoraWeights
                 y[:, offset: offset + size].index_add_(0, plan.rows, torch.mm(part, b))
             offset += size
         return
+    # in blocks, the expand adds into ``y`` directly, which needs ``y`` in the float32 of the
+    # computation (a bfloat16 engine keeps the tiled path, which casts what it adds)
     if plan.block_slots is not None and y.dtype == x.dtype:
         _lora_linear_in_blocks(y, x, plan, weights, scale)
         return

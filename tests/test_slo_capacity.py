@@ -206,6 +206,17 @@ def test_recalibrating_on_the_engine_s_steps_of_the_other_policies_recovers_the_
     markdown = (tmp_path / "run" / "goodput" / "goodput_capacity.md").read_text()
     assert "| mixed | 4 | recalibrated | fixed:16 " in markdown and ", in, 0 pts" in markdown
 
+    # a step log missing: no row is recalibrated, rather than some rows on part of the steps
+    found = {**result["capacity"], "rows": [{k: v for k, v in row.items() if not k.startswith("recalibrated")}
+                                            for row in result["capacity"]["rows"]]}
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    kept = sorted(logs.glob("steps-*.jsonl"))
+    for path in kept[1:]:
+        (partial / path.name).write_text(path.read_text())
+    slo_capacity.recalibrate(found, result["settings"], partial)
+    assert not any("recalibrated" in row for row in found["rows"])
+
     # the report made again from the run's files alone, serving nothing
     monkeypatch.setattr(slo_capacity, "served", None)
     again = goodput.main(**arguments, from_run=str(tmp_path / "run"), out=str(tmp_path / "again"))
