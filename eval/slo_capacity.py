@@ -41,30 +41,48 @@ from typing import Any, Callable
 ATTAINMENT = 0.9
 
 
-def search(attainment_at: Callable[[float], float], start: float, probes: int, factor: float = 1.5) -> dict[str, Any]:
+def search(attainment_at: Callable[[float], float], start: float, probes: int, factor: float = 1.5,
+           known: list[tuple[float, float]] = (), spent: int = 0) -> dict[str, Any]:
     """The highest rate whose attainment is >= ATTAINMENT within ``probes`` calls of ``attainment_at``.
 
-    Returns ``capacity`` (the highest rate that met; 0.0 if none did), ``bracket`` (that rate and the
-    lowest rate above it that did not meet: ``None`` where no probe failed) and every probe."""
+    ``known``: ``(rate, attainment)`` pairs measured before (:mod:`preft.eval.served_probes`),
+    ``spent`` of them this search's own (a run resumed), the rest free (another target's probes
+    of the same server). The search starts from the bracket they give (the lowest rate that
+    missed, the highest below it that met), probing ``start`` first only where it lies on the
+    side the bracket leaves open, and calls ``attainment_at`` at most ``probes - spent`` times.
+    Returns ``capacity`` (the highest rate that met; 0.0 if none did), ``bracket`` (that rate and
+    the lowest rate above it that did not meet: ``None`` where no probe failed) and every probe,
+    known ones marked ``reused``."""
     if probes < 1 or start <= 0 or factor <= 1:
         raise ValueError("a capacity search needs probes >= 1, a start rate > 0 and a factor > 1")
-    seen: list[dict[str, float]] = []
+    seen: list[dict[str, Any]] = [{"rate": rate, "attainment": value, "reused": True} for rate, value in sorted(known)]
+    missed = [p["rate"] for p in seen if p["attainment"] < ATTAINMENT]
+    high = min(missed) if missed else None
+    met = [p["rate"] for p in seen if p["attainment"] >= ATTAINMENT and (high is None or p["rate"] < high)]
+    low = max(met) if met else None
+    left = probes - spent
 
     def probe(rate: float) -> bool:
+        nonlocal left
+        left -= 1
         value = attainment_at(rate)
         seen.append({"rate": rate, "attainment": value})
         return value >= ATTAINMENT
 
-    met = probe(start)
-    low, high = (start, None) if met else (None, start)
-    while len(seen) < probes and (low is None or high is None):
+    open_side = (low is None and high is None) or (high is None and start > low) or (low is None and start < high)
+    if left > 0 and open_side:
+        if probe(start):
+            low = start
+        else:
+            high = start
+    while left > 0 and (low is None or high is None):
         if high is None:
             rate = low * factor
             low, high = (rate, None) if probe(rate) else (low, rate)
         else:
             rate = high / factor
             low, high = (rate, high) if probe(rate) else (None, rate)
-    while len(seen) < probes and low is not None and high is not None:
+    while left > 0 and low is not None and high is not None:
         middle = math.sqrt(low * high)
         low, high = (middle, high) if probe(middle) else (low, middle)
     return {"capacity": low or 0.0, "bracket": [low or 0.0, high], "probes": seen}
@@ -97,21 +115,49 @@ def simulated(cost_model, policy: str, kind: str, settings: dict, tpot_s: float,
 
 def served(model_dir: str, policy_args: list[str], kind: str, settings: dict, tpot_s: float, ttft_s: float,
            start: float, seed: int, probes: int, run_dir: Path, label: str) -> dict[str, Any]:
-    """The policy's SLO capacity on the engine: a fresh ``preft serve`` with ``policy_args`` per probe."""
+    """The policy's SLO capacity on the engine: a fresh ``preft serve`` with ``policy_args`` per probe.
+    Probes this server already ran on the same traces in ``run_dir`` are read back and judged
+    against this target (:mod:`preft.eval.served_probes`): another TPOT target's (a fixed chunk's
+    server is the same at both) free, this search's own (a run resumed in the same ``--out``)
+    counted in ``probes``. Each probe names its step log (``step_log``)."""
     from preft.eval.common import serve_trace
+    from preft.eval.served_probes import ServedProbes, search_key, timings_of, trace_digest
     from preft.serving.scheduling import workloads
 
-    def at(rate: float) -> float:
+    store = ServedProbes(run_dir)
+    key = search_key(model_dir, policy_args, kind, seed, settings)
+
+    def trace_at(rate: float) -> tuple[list, Path]:
         work = workloads.generate(kind, settings["engine_requests"], rate, seed=seed, max_model_len=settings["max_len"])
-        trace = workloads.write_trace(work, run_dir / f"{label}-{rate:.3f}.trace.jsonl")
+        return work, workloads.write_trace(work, run_dir / f"{label}-{rate:.3f}.trace.jsonl")
+
+    known, step_logs, own = {}, {}, set()
+    for record in store.of_search(key):
+        work, trace = trace_at(record["rate"])
+        if trace_digest(trace) == record["trace_sha256"]:
+            known[record["rate"]] = attainment(timings_of(record), len(work), ttft_s, tpot_s)
+            step_logs[record["rate"]] = record["step_log"]
+            if record["label"] == label:  # this search's own, served before it was resumed
+                own.add(record["rate"])
+    if known:
+        print(f"[capacity] {label}: {len(known)} probe(s) of this server read back from {store.path.name} "
+              f"({len(own)} of this search)", flush=True)
+
+    def at(rate: float) -> float:
+        work, trace = trace_at(rate)
         print(f"[capacity] {label}: {rate:.2f} req/s", flush=True)
         timings, _ = serve_trace(model_dir, policy_args, trace, f"{label}-{rate:.3f}", run_dir, settings,
                                  adapters=settings["bundles"], slots=settings["slots"])
+        step_logs[rate] = f"steps-{label}-{rate:.3f}.jsonl"
+        store.add(key, label, rate, trace, timings, step_logs[rate])
         value = attainment(timings, len(work), ttft_s, tpot_s)
         print(f"[capacity] {label}: {rate:.2f} req/s -> {100 * value:.0f}% within the targets", flush=True)
         return value
 
-    return search(at, start, probes)
+    found = search(at, start, probes, known=list(known.items()), spent=len(own))
+    for probe in found["probes"]:
+        probe["step_log"] = step_logs[probe["rate"]]
+    return found
 
 
 def probe_label(kind: str, tpot_scale: float, round_index: int, policy: str) -> str:
@@ -119,16 +165,22 @@ def probe_label(kind: str, tpot_scale: float, round_index: int, policy: str) -> 
     return f"{kind}-t{tpot_scale:g}-r{round_index}-{policy.replace(':', '')}"
 
 
-def probe_steps(run_dir: Path, row: dict[str, Any], rate: float) -> list[dict[str, Any]]:
+def probe_steps(run_dir: Path, row: dict[str, Any], probe: dict[str, Any]) -> list[dict[str, Any]]:
     """The steps the engine ran in one probe of ``row``'s search (its step log; idle steps left out)."""
     import json
 
-    label = probe_label(row["workload"], row["tpot_scale"], row["round"], row["policy"])
-    path = Path(run_dir) / f"steps-{label}-{rate:.3f}.jsonl"
+    path = Path(run_dir) / step_log(row, probe)
     if not path.is_file():
         raise FileNotFoundError(f"no step log {path} for an engine probe: recalibrating needs the run's step logs")
     steps = [json.loads(line) for line in path.read_text().splitlines()]
     return [step for step in steps if step["seconds"] > 0 and (step["n"] or step["c"])]
+
+
+def step_log(row: dict[str, Any], probe: dict[str, Any]) -> str:
+    """The file name of a probe's step log: the one it names, or (runs before probes named theirs)
+    the search's label and the rate."""
+    label = probe_label(row["workload"], row["tpot_scale"], row["round"], row["policy"])
+    return probe.get("step_log") or f"steps-{label}-{probe['rate']:.3f}.jsonl"
 
 
 def summarize(rows: list[dict[str, Any]], settings: dict, rounds: int) -> list[dict[str, Any]]:
@@ -171,13 +223,7 @@ def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
     from preft.serving.scheduling.cost_model import StepCostModel
 
     rows = [r for r in result["rows"] if r.get("served_search")]
-    logs: dict[tuple, list[dict[str, Any]]] = {}  # each probe's log is read once, used by the other policies
-
-    def steps_of(row: dict[str, Any], rate: float) -> list[dict[str, Any]]:
-        key = (row["workload"], row["tpot_scale"], row["round"], row["policy"], rate)
-        if key not in logs:
-            logs[key] = probe_steps(run_dir, row, rate)
-        return logs[key]
+    logs: dict[str, list[dict[str, Any]]] = {}  # each probe's log is read once, used by the other policies
 
     fitting = []  # (row, the other policies' rows, their steps): every log read before any row changes
     for row in rows:
@@ -185,9 +231,13 @@ def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
                   and r["policy"] != row["policy"]]
         if not others:
             continue
+        # a probe shared by two targets' searches (reused) is one probe: its steps count once
+        names = {step_log(r, probe): r for r in others for probe in r["served_search"]["probes"]}
         try:
-            fitting.append((row, others, [step for r in others for probe in r["served_search"]["probes"]
-                                          for step in steps_of(r, probe["rate"])]))
+            for name, r in names.items():
+                if name not in logs:
+                    logs[name] = probe_steps(run_dir, r, {"step_log": name})
+            fitting.append((row, others, [step for name in names for step in logs[name]]))
         except FileNotFoundError as err:  # a report without it beats no report after an hour of probes
             print(f"[capacity] not recalibrated: {err}", flush=True)
             return

@@ -229,3 +229,104 @@ def test_a_rate_outside_the_engine_s_bracket_is_measured_from_its_nearer_end():
     assert slo_capacity.bracket_gap(3.0, [2.0, 4.0]) == 0.0 and slo_capacity.bracket_gap(9.0, [2.0, None]) == 0.0
     assert slo_capacity.bracket_gap(1.5, [2.0, 4.0]) == pytest.approx(-0.25)
     assert slo_capacity.bracket_gap(4.4, [2.0, 4.0]) == pytest.approx(0.10)
+
+
+def test_known_probes_are_free_and_start_the_search_from_their_bracket():
+    attainment, calls = step_at(3.7)
+    # a bracket known already: only bisection, no probe at the start, and the probe budget all new
+    known = [(2.0, 1.0), (6.0, 0.4), (9.0, 0.2), (8.0, 1.0)]  # 8.0 met above a miss: noise, not the bracket
+    found = slo_capacity.search(attainment, start=5.0, probes=3, known=known)
+    assert len(calls) == 3 and all(2.0 < rate < 6.0 for rate in calls)
+    assert [p["rate"] for p in found["probes"] if p.get("reused")] == [2.0, 6.0, 8.0, 9.0]
+    low, high = found["bracket"]
+    assert low <= 3.7 < high and high / low < 6.0 / 2.0
+    # only rates that met known: the start is probed first when it lies above them, then up from there
+    attainment, calls = step_at(3.7)
+    slo_capacity.search(attainment, start=3.0, probes=2, known=[(1.0, 1.0)])
+    assert calls == [3.0, 4.5]
+    # ... and not when it lies below them: the search steps up from the highest known rate
+    attainment, calls = step_at(3.7)
+    slo_capacity.search(attainment, start=0.5, probes=1, known=[(1.0, 1.0)])
+    assert calls == [1.5]
+    # only misses known: down from the lowest, the start first when it lies below it
+    attainment, calls = step_at(3.7)
+    slo_capacity.search(attainment, start=4.0, probes=2, known=[(6.0, 0.0)])
+    assert calls == [4.0, 4.0 / 1.5]
+
+
+def test_a_fixed_chunk_s_probes_serve_both_targets_and_a_run_again_reads_them_back(tmp_path, monkeypatch):
+    from preft.eval import common, goodput
+    from preft.serving.scheduling import workloads
+    from preft.serving.scheduling.cost_model import StepCostModel
+    from preft.serving.scheduling.metrics import meets
+
+    cost_model = StepCostModel.synthetic()
+    served_traces = []
+    real_generate = workloads.generate
+
+    # a stand-in server: the simulator on the trace it is sent, writing its step log as serve_trace does
+    def serve_trace(model_dir, policy_args, trace, label, run_dir, settings, adapters=None, slots=0):
+        served_traces.append((tuple(policy_args), trace.read_text()))
+        tpot_s = float(policy_args[3]) / 1e3 if "--tpot-ms" in policy_args else 1.0
+        result = common.simulate_policy(cost_model, policy_args[1], workloads.read_trace(trace), settings, tpot_s,
+                                        record=True)
+        (run_dir / f"steps-{label}.jsonl").write_text("".join(
+            json.dumps({"n": n, "c": c, "x": x, "seconds": cost_model(n, c, x), "gap_s": 0.0}) + "\n"
+            for n, c, x in result.step_shapes))
+        return result.timings, []
+
+    monkeypatch.setattr(common, "serve_trace", serve_trace)
+    cost = cost_model.save(tmp_path / "cost.json")
+    arguments = dict(model="default", cost_model=str(cost), workloads="mixed", policies="fixed:16,sloweave",
+                     tpot_scales="1.5,4", capacity=True, capacity_requests=100, engine_requests=30,
+                     engine_policies="fixed:16,sloweave", engine_workload="mixed", engine_rounds=1,
+                     capacity_probes=3, out=str(tmp_path / "run"))
+    result = goodput.main(**arguments)
+    rows = {(r["policy"], r["tpot_scale"]): r for r in result["capacity"]["rows"]}
+    run_dir = tmp_path / "run" / "goodput" / "capacity"
+
+    def probes(policy, scale, reused):
+        return [p for p in rows[policy, scale]["served_search"]["probes"] if bool(p.get("reused")) == reused]
+
+    # the looser target's fixed-chunk search starts from the tighter one's probes ...
+    assert [p["rate"] for p in probes("fixed:16", 4, True)] == sorted(p["rate"] for p in probes("fixed:16", 1.5, False))
+    # ... each judged against the looser target on the timings that probe served
+    row = rows["fixed:16", 4]
+    for probe in probes("fixed:16", 4, True):
+        work = workloads.generate("mixed", 30, probe["rate"], seed=100, max_model_len=result["settings"]["max_len"])
+        timings = common.simulate_policy(cost_model, "fixed:16", work, result["settings"], 1.0).timings
+        expected = sum(meets(t, row["ttft_ms"] / 1e3, row["tpot_ms"] / 1e3) for t in timings) / len(work)
+        assert probe["attainment"] == pytest.approx(expected)
+    # SLOWeave's server takes the target: nothing shared; every trace served once, each probe's log kept
+    assert not probes("sloweave", 4, True) and len(probes("fixed:16", 4, False)) == 3
+    assert len(served_traces) == len(set(served_traces)) == sum(len(probes(p, s, False)) for p, s in rows)
+    for (policy, scale), row in rows.items():
+        assert all((run_dir / p["step_log"]).is_file() for p in row["served_search"]["probes"])
+    # recalibrating SLOWeave counts a shared probe's steps once
+    fixed_logs = {p["step_log"] for s in (1.5, 4) for p in rows["fixed:16", s]["served_search"]["probes"]}
+    assert rows["sloweave", 4]["recalibrated_cost_model"]["steps"] == sum(
+        len((run_dir / name).read_text().splitlines()) for name in fixed_logs)
+
+    # the same run again in the same --out, after a crash that lost one search's last probe: that
+    # probe alone is served again; each search keeps its probes and may know more (the other
+    # target's probes of its server), so its bracket lies within the first run's
+    store = run_dir / "probes.jsonl"
+    records = store.read_text().splitlines()
+    last = json.loads(records[-1])
+    store.write_text("".join(line + "\n" for line in records[:-1]))
+    served_traces.clear()
+    again = goodput.main(**arguments)
+    assert len(served_traces) == 1 and served_traces[0][1] == (run_dir / f"{last['label']}-{last['rate']:.3f}.trace.jsonl").read_text()
+    for row in again["capacity"]["rows"]:
+        (low, high), (first_low, first_high) = row["served_search"]["bracket"], rows[
+            row["policy"], row["tpot_scale"]]["served_search"]["bracket"]
+        assert first_low <= low and (first_high is None or (high is not None and high <= first_high))
+        if row["policy"] == "sloweave":  # it shares nothing: the same probes, the same bracket
+            first = rows["sloweave", row["tpot_scale"]]["served_search"]
+            assert row["served_search"]["bracket"] == first["bracket"] and sorted(
+                p["rate"] for p in row["served_search"]["probes"]) == sorted(p["rate"] for p in first["probes"])
+    # a changed trace is not read back: another seed for the rounds' workload serves anew
+    monkeypatch.setattr(workloads, "generate", lambda *args, seed, **kwargs: real_generate(*args, seed=seed + 1, **kwargs))
+    served_traces.clear()
+    goodput.main(**arguments)
+    assert len(served_traces) == 4 * 3
