@@ -14,7 +14,9 @@ trace of the same seed (arrivals scaled to the rate), so attainment moves with t
 - :func:`simulated` probes the simulator (:class:`~preft.serving.scheduling.simulator.Simulator`);
 - :func:`served` probes a fresh ``preft serve --scheduler P`` per rate, driven by ``vllm bench
   serve`` at the trace's arrival times (:func:`preft.eval.common.serve_trace`), starting from the
-  simulator's capacity for that policy so that a few probes suffice.
+  simulator's capacity for that policy so that a few probes suffice. Its probes are kept in the
+  run directory (:mod:`preft.eval.served_probes`): shared between the TPOT targets where the
+  server is the same, read back when a run is resumed.
 
 A capacity belongs to its trace's length as much as to the policy: near capacity the queue grows
 for as long as requests keep arriving, so a short trace ends before the backlog that sinks a long
