@@ -37,8 +37,9 @@ def search_key(model_dir: str, policy_args: list[str], kind: str, seed: int, set
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
-def trace_digest(trace: Path) -> str:
-    return hashlib.sha256(Path(trace).read_bytes()).hexdigest()
+def trace_digest(text: str) -> str:
+    """The sha256 of a trace's text (:func:`~preft.serving.scheduling.workloads.trace_text`)."""
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class ServedProbes:
@@ -54,10 +55,10 @@ class ServedProbes:
         """Every record served under ``key``, in the order served."""
         return [record for record in self.records if record["search"] == key]
 
-    def add(self, key: str, label: str, rate: float, trace: Path, timings: list, step_log: str) -> dict[str, Any]:
+    def add(self, key: str, label: str, rate: float, trace_text: str, timings: list, step_log: str) -> dict[str, Any]:
         from preft.serving.scheduling.atomic_file import write_atomically
 
-        record = {"search": key, "label": label, "rate": rate, "trace_sha256": trace_digest(trace), "step_log": step_log,
+        record = {"search": key, "label": label, "rate": rate, "trace_sha256": trace_digest(trace_text), "step_log": step_log,
                   "timings": [asdict(timing) for timing in timings]}
         self.records.append(record)
         write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in self.records))

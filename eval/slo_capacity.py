@@ -125,18 +125,18 @@ def served(model_dir: str, policy_args: list[str], kind: str, settings: dict, tp
     from preft.eval.common import serve_trace
     from preft.eval.served_probes import ServedProbes, search_key, timings_of, trace_digest
     from preft.serving.scheduling import workloads
+    from preft.serving.scheduling.atomic_file import write_atomically
 
     store = ServedProbes(run_dir)
     key = search_key(model_dir, policy_args, kind, seed, settings)
 
-    def trace_at(rate: float) -> tuple[list, Path]:
-        work = workloads.generate(kind, settings["engine_requests"], rate, seed=seed, max_model_len=settings["max_len"])
-        return work, workloads.write_trace(work, run_dir / f"{label}-{rate:.3f}.trace.jsonl")
+    def work_at(rate: float) -> list:
+        return workloads.generate(kind, settings["engine_requests"], rate, seed=seed, max_model_len=settings["max_len"])
 
     known, step_logs, own = {}, {}, set()
-    for record in store.of_search(key):
-        work, trace = trace_at(record["rate"])
-        if trace_digest(trace) == record["trace_sha256"]:
+    for record in store.of_search(key):  # a record counts only while its trace is made again the same
+        work = work_at(record["rate"])
+        if trace_digest(workloads.trace_text(work)) == record["trace_sha256"]:
             known[record["rate"]] = attainment(timings_of(record), len(work), ttft_s, tpot_s)
             step_logs[record["rate"]] = record["step_log"]
             if record["label"] == label:  # this search's own, served before it was resumed
@@ -146,12 +146,14 @@ def served(model_dir: str, policy_args: list[str], kind: str, settings: dict, tp
               f"({len(own)} of this search)", flush=True)
 
     def at(rate: float) -> float:
-        work, trace = trace_at(rate)
+        work = work_at(rate)
+        text = workloads.trace_text(work)
+        trace = write_atomically(run_dir / f"{label}-{rate:.3f}.trace.jsonl", text)
         print(f"[capacity] {label}: {rate:.2f} req/s", flush=True)
         timings, _ = serve_trace(model_dir, policy_args, trace, f"{label}-{rate:.3f}", run_dir, settings,
                                  adapters=settings["bundles"], slots=settings["slots"])
         step_logs[rate] = f"steps-{label}-{rate:.3f}.jsonl"
-        store.add(key, label, rate, trace, timings, step_logs[rate])
+        store.add(key, label, rate, text, timings, step_logs[rate])
         value = attainment(timings, len(work), ttft_s, tpot_s)
         print(f"[capacity] {label}: {rate:.2f} req/s -> {100 * value:.0f}% within the targets", flush=True)
         return value
@@ -167,11 +169,12 @@ def probe_label(kind: str, tpot_scale: float, round_index: int, policy: str) -> 
     return f"{kind}-t{tpot_scale:g}-r{round_index}-{policy.replace(':', '')}"
 
 
-def probe_steps(run_dir: Path, row: dict[str, Any], probe: dict[str, Any]) -> list[dict[str, Any]]:
-    """The steps the engine ran in one probe of ``row``'s search (its step log; idle steps left out)."""
+def probe_steps(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    """The steps the engine ran in one probe, from its step log ``name`` (:func:`step_log`), idle
+    steps left out."""
     import json
 
-    path = Path(run_dir) / step_log(row, probe)
+    path = Path(run_dir) / name
     if not path.is_file():
         raise FileNotFoundError(f"no step log {path} for an engine probe: recalibrating needs the run's step logs")
     steps = [json.loads(line) for line in path.read_text().splitlines()]
@@ -234,11 +237,11 @@ def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
         if not others:
             continue
         # a probe shared by two targets' searches (reused) is one probe: its steps count once
-        names = {step_log(r, probe): r for r in others for probe in r["served_search"]["probes"]}
+        names = {step_log(r, probe) for r in others for probe in r["served_search"]["probes"]}
         try:
-            for name, r in names.items():
+            for name in names:
                 if name not in logs:
-                    logs[name] = probe_steps(run_dir, r, {"step_log": name})
+                    logs[name] = probe_steps(run_dir, name)
             fitting.append((row, others, [step for name in names for step in logs[name]]))
         except FileNotFoundError as err:  # a report without it beats no report after an hour of probes
             print(f"[capacity] not recalibrated: {err}", flush=True)

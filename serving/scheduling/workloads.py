@@ -103,6 +103,11 @@ def generate(kind: str, count: int, rate: float, seed: int = 0, max_model_len: i
 
 def write_trace(requests: list[RequestSpec], path: str | Path) -> Path:
     """The workload as a ``timed_trace`` JSON-lines file (atomically, :func:`.atomic_file.write_atomically`)."""
+    return write_atomically(path, trace_text(requests))
+
+
+def trace_text(requests: list[RequestSpec]) -> str:
+    """What :func:`write_trace` writes: one JSON line a request."""
     next_id = 1 << 20  # unshared blocks get ids no prefix group uses
     lines = []
     for request in requests:
@@ -114,7 +119,7 @@ def write_trace(requests: list[RequestSpec], path: str | Path) -> Path:
         lines.append(json.dumps({"timestamp": request.arrival_s, "input_length": request.prompt_tokens,
                                  "output_length": request.output_tokens, "hash_ids": hash_ids,
                                  "request": asdict(request)}) + "\n")
-    return write_atomically(path, "".join(lines))
+    return "".join(lines)
 
 
 def read_trace(path: str | Path) -> list[RequestSpec]:
