@@ -561,7 +561,8 @@ def capacity_run(model_cost, cost_model: str, model_dir: str, settings: dict, va
     from preft.eval import common, slo_capacity
     from preft.eval.results import command_line
 
-    found = slo_capacity.run(model_cost, model_dir, settings, goodput_dir)
+    found = slo_capacity.run(model_cost, model_dir, settings, goodput_dir,
+                             seed_cost_model=str(Path(cost_model).resolve()) if settings["engine_seeded"] else None)
     slo_capacity.recalibrate(found, settings, goodput_dir / "capacity")
     command = command_line("goodput", main, values, always=("model",))
     settings["bundles"] = sorted(settings["bundles"])
@@ -608,7 +609,9 @@ def capacity_report(found: dict, settings: dict, command: str, model: str, cost_
         "run on the engine again on the engine's traces. "
         + (f"Engine: {settings['engine_requests']} requests a probe, a fresh `preft serve --scheduler P` for each, at "
            f"most {settings['capacity_probes']} probes a search starting from the simulator's capacity on the engine's "
-           "traces for the policy (SLOWeave as a user starts it: `--tpot-ms` and no cost model file). "
+           "traces for the policy (SLOWeave as a user starts it: `--tpot-ms` and "
+           + ("the profile as its cost model's seed, `--cost-model`). " if settings["engine_seeded"] else
+              "no cost model file). ")
            if settings["engine_policies"] else "No engine runs. ")
         + f"{found['rounds']} rounds, each a new "
         "trace seed for the simulator and the engine alike; the ratio is per round. TPOT targets are multiples of "
@@ -677,7 +680,8 @@ def add_arguments(parser) -> None:
         ("--engine-rounds", int, "with R > 0: every engine policy at every --engine-loads, R rounds on fresh servers, "
                                  "instead of the one fidelity run"),
         ("--engine-loads", str, "the loads of the rounds, as fractions of capacity"),
-        ("--engine-seeded", bool, "in the rounds, seed SLOWeave with the profile's cost model (default: none, "
+        ("--engine-seeded", bool, "in the rounds and the --capacity searches, seed SLOWeave with the profile's "
+                                  "cost model (default: none, "
                                   "learned online)"),
         ("--adapters", int, "with N > 0: request i on LoRA-P adapter i %% N (random rank-16 bundles on the engine)"),
         ("--slots", int, "adapter slots with --adapters (engine --max-adapters, the simulator's max_loras; "

@@ -14,8 +14,10 @@ trace of the same seed (arrivals scaled to the rate), so attainment moves with t
 - :func:`simulated` probes the simulator (:class:`~preft.serving.scheduling.simulator.Simulator`);
 - :func:`served` probes a fresh ``preft serve --scheduler P`` per rate, driven by ``vllm bench
   serve`` at the trace's arrival times (:func:`preft.eval.common.serve_trace`), starting from the
-  simulator's capacity for that policy so that a few probes suffice. Its probes are kept in the
-  run directory (:mod:`preft.eval.served_probes`): shared between the TPOT targets where the
+  simulator's capacity for that policy so that a few probes suffice. SLOWeave runs as a user
+  starts it: its step cost model learned online from the prior, or with ``--engine-seeded`` from
+  the profile (``--cost-model``, as after ``preft eval profile --served``). Its probes are kept in
+  the run directory (:mod:`preft.eval.served_probes`): shared between the TPOT targets where the
   server is the same, read back when a run is resumed.
 
 A capacity belongs to its trace's length as much as to the policy: near capacity the queue grows
@@ -148,11 +150,12 @@ def served(model_dir: str, policy_args: list[str], kind: str, settings: dict, tp
     def at(rate: float) -> float:
         work = work_at(rate)
         text = workloads.trace_text(work)
-        trace = write_atomically(run_dir / f"{label}-{rate:.3f}.trace.jsonl", text)
+        name = probe_name(label, key, rate)
+        trace = write_atomically(run_dir / f"{name}.trace.jsonl", text)
         print(f"[capacity] {label}: {rate:.2f} req/s", flush=True)
-        timings, _ = serve_trace(model_dir, policy_args, trace, f"{label}-{rate:.3f}", run_dir, settings,
+        timings, _ = serve_trace(model_dir, policy_args, trace, name, run_dir, settings,
                                  adapters=settings["bundles"], slots=settings["slots"])
-        step_logs[rate] = f"steps-{label}-{rate:.3f}.jsonl"
+        step_logs[rate] = f"steps-{name}.jsonl"
         store.add(key, label, rate, text, timings, step_logs[rate])
         value = attainment(timings, len(work), ttft_s, tpot_s)
         print(f"[capacity] {label}: {rate:.2f} req/s -> {100 * value:.0f}% within the targets", flush=True)
@@ -165,8 +168,15 @@ def served(model_dir: str, policy_args: list[str], kind: str, settings: dict, tp
 
 
 def probe_label(kind: str, tpot_scale: float, round_index: int, policy: str) -> str:
-    """The name an engine search's files carry: ``steps-LABEL-RATE.jsonl`` per probe (its step log)."""
+    """The name an engine search's probes carry, the first part of their files' (:func:`probe_name`)."""
     return f"{kind}-t{tpot_scale:g}-r{round_index}-{policy.replace(':', '')}"
+
+
+def probe_name(label: str, key: str, rate: float) -> str:
+    """What one probe's files are named after (``NAME.trace.jsonl``, ``steps-NAME.jsonl``): its
+    search's label, the start of its search key (two servers of one label, e.g. SLOWeave with and
+    without a seed, in one ``--out``, keep their own files) and the rate."""
+    return f"{label}-{key[:8]}-{rate:.3f}"
 
 
 def probe_steps(run_dir: Path, name: str) -> list[dict[str, Any]]:
@@ -268,9 +278,13 @@ def recalibrate(result: dict[str, Any], settings: dict, run_dir: Path) -> None:
     result["summary"] = summarize(result["rows"], settings, result["rounds"])
 
 
-def policy_args(policy: str, tpot_s: float) -> list[str]:
-    """``preft serve`` arguments for ``policy`` as a user starts it (SLOWeave: its target, nothing else)."""
-    return ["--scheduler", policy] + (["--tpot-ms", f"{1e3 * tpot_s:.3f}"] if policy == "sloweave" else [])
+def policy_args(policy: str, tpot_s: float, seed_cost_model: str | None = None) -> list[str]:
+    """``preft serve`` arguments for ``policy`` as a user starts it: SLOWeave its target and, with
+    ``seed_cost_model``, that file as its online model's seed (else it learns from the prior)."""
+    if policy != "sloweave":
+        return ["--scheduler", policy]
+    return ["--scheduler", policy, "--tpot-ms", f"{1e3 * tpot_s:.3f}"] + (
+        ["--cost-model", str(seed_cost_model)] if seed_cost_model else [])
 
 
 def best_fixed_ratio(capacities: dict[str, float]) -> float | None:
@@ -281,9 +295,10 @@ def best_fixed_ratio(capacities: dict[str, float]) -> float | None:
     return capacities["sloweave"] / max(fixed)
 
 
-def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]:
+def run(cost_model, model_dir: str, settings: dict, out: Path, seed_cost_model: str | None = None) -> dict[str, Any]:
     """Every simulator policy on every workload and TPOT target, and every engine policy on the
-    engine workloads at the engine's TPOT targets, ``rounds`` rounds (a new trace seed each)."""
+    engine workloads at the engine's TPOT targets, ``rounds`` rounds (a new trace seed each);
+    the engine's SLOWeave seeded with the file ``seed_cost_model`` when given."""
     from preft.eval.common import capacity as throughput_capacity
     from preft.eval.goodput import targets
 
@@ -313,7 +328,7 @@ def run(cost_model, model_dir: str, settings: dict, out: Path) -> dict[str, Any]
                         short = simulated(cost_model, policy, kind, settings, tpot, scale["ttft_s"], rate0, seed,
                                           requests=settings["engine_requests"])
                         label = probe_label(kind, tpot_scale, round_index, policy)
-                        engine = served(model_dir, policy_args(policy, tpot), kind, settings, tpot, scale["ttft_s"],
+                        engine = served(model_dir, policy_args(policy, tpot, seed_cost_model), kind, settings, tpot, scale["ttft_s"],
                                         short["capacity"] or sim["capacity"], seed, settings["capacity_probes"],
                                         run_dir, label)
                         for probe in engine["probes"]:

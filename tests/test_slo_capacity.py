@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -123,6 +124,30 @@ def test_goodput_capacity_reports_each_engine_search_bracket(tmp_path, monkeypat
     number = r"\d+\.\d\d"
     assert re.search(rf"\| mixed \| [\d.]+ \| 1 \| fixed:16 {number} \[{number}\]; sloweave {number} \[{number}\] "
                      rf"\| yes \|", searches), searches
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_engine_seeded_gives_sloweave_s_servers_the_profile_as_their_cost_model_seed(tmp_path, monkeypatch, seeded):
+    from preft.eval import goodput
+    from preft.serving.scheduling.cost_model import StepCostModel
+
+    servers = {}
+
+    def served(model_dir, policy_args, kind, settings, tpot_s, ttft_s, start, seed, probes, run_dir, label):
+        servers[policy_args[1]] = policy_args
+        return slo_capacity.search(lambda rate: 1.0 if rate <= 3.0 else 0.0, start, probes)
+
+    monkeypatch.setattr(slo_capacity, "served", served)
+    cost = StepCostModel.synthetic().save(tmp_path / "cost.json")
+    goodput.main(model="default", cost_model=str(cost), workloads="mixed", policies="fixed:16,sloweave",
+                 tpot_scales="4", capacity=True, capacity_requests=120, engine_policies="fixed:16,sloweave",
+                 engine_workload="mixed", engine_rounds=1, capacity_probes=3, engine_seeded=seeded, out=str(tmp_path))
+    assert servers["fixed:16"] == ["--scheduler", "fixed:16"]
+    sloweave = servers["sloweave"]
+    assert sloweave[:3] == ["--scheduler", "sloweave", "--tpot-ms"]
+    assert sloweave[4:] == (["--cost-model", str(Path(cost).resolve())] if seeded else [])
+    markdown = (tmp_path / "goodput" / "goodput_capacity.md").read_text()
+    assert ("the profile as its cost model's seed" in markdown) == seeded
 
 
 def test_the_engine_is_compared_with_the_simulator_on_the_engine_s_own_traces(tmp_path, monkeypatch):
@@ -316,7 +341,8 @@ def test_a_fixed_chunk_s_probes_serve_both_targets_and_a_run_again_reads_them_ba
     store.write_text("".join(line + "\n" for line in records[:-1]))
     served_traces.clear()
     again = goodput.main(**arguments)
-    assert len(served_traces) == 1 and served_traces[0][1] == (run_dir / f"{last['label']}-{last['rate']:.3f}.trace.jsonl").read_text()
+    assert len(served_traces) == 1 and served_traces[0][1] == (
+        run_dir / f"{slo_capacity.probe_name(last['label'], last['search'], last['rate'])}.trace.jsonl").read_text()
     for row in again["capacity"]["rows"]:
         (low, high), (first_low, first_high) = row["served_search"]["bracket"], rows[
             row["policy"], row["tpot_scale"]]["served_search"]["bracket"]
@@ -325,6 +351,18 @@ def test_a_fixed_chunk_s_probes_serve_both_targets_and_a_run_again_reads_them_ba
             first = rows["sloweave", row["tpot_scale"]]["served_search"]
             assert row["served_search"]["bracket"] == first["bracket"] and sorted(
                 p["rate"] for p in row["served_search"]["probes"]) == sorted(p["rate"] for p in first["probes"])
+    # SLOWeave seeded in the same --out: a server of its own, served anew, its files beside the
+    # unseeded one's, which stay as they were; the fixed chunks' servers are read back
+    logs = {p["step_log"]: (run_dir / p["step_log"]).read_text()
+            for s in (1.5, 4) for p in rows["sloweave", s]["served_search"]["probes"]}
+    served_traces.clear()
+    seeded = goodput.main(**arguments, engine_seeded=True)
+    assert served_traces and all(args[:2] == ("--scheduler", "sloweave") and "--cost-model" in args
+                                 for args, _ in served_traces)
+    assert all((run_dir / name).read_text() == text for name, text in logs.items())
+    for row in seeded["capacity"]["rows"]:
+        if row["policy"] == "sloweave":
+            assert not {p["step_log"] for p in row["served_search"]["probes"]} & set(logs)
     # a changed trace is not read back: another seed for the rounds' workload serves anew
     monkeypatch.setattr(workloads, "generate", lambda *args, seed, **kwargs: real_generate(*args, seed=seed + 1, **kwargs))
     served_traces.clear()
