@@ -168,7 +168,8 @@ def served(model_dir: str, policy_args: list[str], kind: str, settings: dict, tp
 
 
 def probe_label(kind: str, tpot_scale: float, round_index: int, policy: str) -> str:
-    """The name an engine search's probes carry, the first part of their files' (:func:`probe_name`)."""
+    """An engine search's name; each of its probes' files adds the search key and the rate
+    (:func:`probe_name`)."""
     return f"{kind}-t{tpot_scale:g}-r{round_index}-{policy.replace(':', '')}"
 
 
@@ -328,9 +329,9 @@ def run(cost_model, model_dir: str, settings: dict, out: Path, seed_cost_model: 
                         short = simulated(cost_model, policy, kind, settings, tpot, scale["ttft_s"], rate0, seed,
                                           requests=settings["engine_requests"])
                         label = probe_label(kind, tpot_scale, round_index, policy)
-                        engine = served(model_dir, policy_args(policy, tpot, seed_cost_model), kind, settings, tpot, scale["ttft_s"],
-                                        short["capacity"] or sim["capacity"], seed, settings["capacity_probes"],
-                                        run_dir, label)
+                        engine = served(model_dir, policy_args(policy, tpot, seed_cost_model), kind, settings, tpot,
+                                        scale["ttft_s"], short["capacity"] or sim["capacity"], seed,
+                                        settings["capacity_probes"], run_dir, label)
                         for probe in engine["probes"]:
                             probe["simulated_attainment"] = simulated_attainment(
                                 cost_model, policy, kind, settings, tpot, scale["ttft_s"], probe["rate"], seed,
