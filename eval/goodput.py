@@ -681,8 +681,7 @@ def add_arguments(parser) -> None:
                                  "instead of the one fidelity run"),
         ("--engine-loads", str, "the loads of the rounds, as fractions of capacity"),
         ("--engine-seeded", bool, "in the rounds and the --capacity searches, seed SLOWeave with the profile's "
-                                  "cost model (default: none, "
-                                  "learned online)"),
+                                  "cost model (default: none, learned online)"),
         ("--adapters", int, "with N > 0: request i on LoRA-P adapter i %% N (random rank-16 bundles on the engine)"),
         ("--slots", int, "adapter slots with --adapters (engine --max-adapters, the simulator's max_loras; "
                          "0 = one per adapter)"),

@@ -58,8 +58,8 @@ class ServedProbes:
     def add(self, key: str, label: str, rate: float, trace_text: str, timings: list, step_log: str) -> dict[str, Any]:
         from preft.serving.scheduling.atomic_file import write_atomically
 
-        record = {"search": key, "label": label, "rate": rate, "trace_sha256": trace_digest(trace_text), "step_log": step_log,
-                  "timings": [asdict(timing) for timing in timings]}
+        record = {"search": key, "label": label, "rate": rate, "trace_sha256": trace_digest(trace_text),
+                  "step_log": step_log, "timings": [asdict(timing) for timing in timings]}
         self.records.append(record)
         write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         return record
